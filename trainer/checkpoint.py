@@ -1,0 +1,116 @@
+"""Checkpoints (design §6): the PEFT adapter plus everything needed to resume exactly.
+
+Layout of ``<dir>/checkpoints/step-000010/``: ``adapter/`` (``adapter_config.json``, ``adapter_model.safetensors``),
+``trainer_state.pt`` (optimiser, scheduler, RNG states, step, data position, KL controller), ``spec.json`` (the
+job spec with its resolved hyperparameters), ``metrics.json`` (that step's metrics). A checkpoint is written to a
+temporary folder and renamed into place, so a crash mid-write never leaves a half checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from peft import PeftModel
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.path / "adapter"
+
+
+def rng_state(sampling: torch.Generator) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "sampling": sampling.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], sampling: torch.Generator) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    sampling.set_state(state["sampling"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_adapter(model: PeftModel, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    step: int,
+    model: PeftModel,
+    state: dict[str, Any],
+    spec: dict[str, Any],
+    metrics: dict[str, float],
+) -> Checkpoint:
+    root = run_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_adapter(model, tmp / "adapter")
+    torch.save(state, tmp / STATE_FILE)
+    (tmp / "spec.json").write_text(json.dumps(spec, indent=2))
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return Checkpoint(step, final)
+
+
+def list_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if p.name.startswith("step-") and (p / STATE_FILE).is_file():
+            out.append(Checkpoint(int(p.name.removeprefix("step-")), p))
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    cks = list_checkpoints(run_dir)
+    return cks[-1] if cks else None
+
+
+def load_state(ckpt: Checkpoint) -> dict[str, Any]:
+    # Our own file: optimiser and RNG states hold numpy/python objects, so weights_only cannot be used.
+    state: dict[str, Any] = torch.load(ckpt.path / STATE_FILE, map_location="cpu", weights_only=False)
+    return state
+
+
+def archive_adapter(adapter_dir: Path, out: Path) -> Path:
+    """The adapter folder as ``.tar.gz`` (design §6), its files at the archive's top level."""
+    with tarfile.open(out, "w:gz") as tar:
+        for f in sorted(adapter_dir.iterdir()):
+            tar.add(f, arcname=f.name)
+    return out

@@ -1,0 +1,318 @@
+"""The job spec (design §3): one pydantic model per method's hyperparameters, defaults from the papers, strict on input.
+
+The same spec is the body of ``POST /v1/fine_tuning/jobs`` and, with local paths instead of file ids, the input of
+``proxima train``. Errors are raised as :class:`SpecError` naming the field path (``method.grpo.hyperparameters.foo``)
+before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trainer import graders
+from trainer.core_algos import AGGREGATIONS, KL_ESTIMATORS
+
+
+class SpecError(ValueError):
+    """A bad job spec. ``param`` is the dotted path of the offending field (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param = param
+        self.detail = message
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraSpec(_Strict):
+    """LoRA adapter (Hu et al. 2021). ``target_modules``: ``all-linear`` (every linear layer but the LM head) or
+    module names. Dropout defaults to 0 because, in RL, dropout makes the first importance ratio ≠ 1 and the KL
+    noisy (TRL PR 3234)."""
+
+    r: int = Field(16, ge=1, le=1024)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+
+
+Auto = Literal["auto"]
+
+
+def _auto_to_default(data: Any, fields: tuple[str, ...]) -> Any:
+    """OpenAI sends ``"auto"`` for hyperparameters it should choose: we drop them so that the default applies."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if not (k in fields and v == "auto")}
+    return data
+
+
+class RLHyperparameters(_Strict):
+    """Hyperparameters shared by the online RL methods (design §3). Defaults suit LoRA: the papers' learning rates
+    of ~1e-6 are for full fine-tuning."""
+
+    learning_rate: float = Field(3e-4, gt=0, le=1.0)
+    learning_rate_multiplier: float = Field(1.0, gt=0, description="OpenAI's: scales learning_rate")
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    batch_size: int = Field(8, ge=1, description="prompts per training step")
+    group_size: int = Field(8, ge=1, description="samples per prompt (G)")
+    max_steps: int | None = Field(None, ge=1, description="training steps; default: n_epochs over the data")
+    n_epochs: int = Field(1, ge=1)
+    max_prompt_tokens: int = Field(512, ge=1)
+    max_completion_tokens: int = Field(256, ge=1)
+    min_completion_tokens: int = Field(0, ge=0, description="EOS is held off before this many tokens (benchmarks)")
+    temperature: float = Field(1.0, gt=0, le=10)
+    top_p: float = Field(1.0, gt=0, le=1)
+    iterations_per_batch: int = Field(1, ge=1, description="μ: optimisation passes over each rollout batch")
+    mini_batches: int = Field(1, ge=1, description="optimiser steps per pass over a rollout batch")
+    micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass (accumulation)")
+    epsilon_low: float = Field(0.2, gt=0, lt=1)
+    epsilon_high: float = Field(0.2, gt=0)
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c (Ye et al. 2019); off by default")
+    beta: float = Field(0.04, ge=0, description="KL coefficient; 0 skips the reference pass")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "seq_mean_token_mean"
+    mask_truncated_completions: bool = False
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    checkpoint_interval: int = Field(10, ge=1)
+    eval_interval: int = Field(0, ge=0, description="steps between validation runs; 0: only at the end")
+    eval_samples: int | None = Field(None, ge=1, description="validation prompts per evaluation; default all")
+    rollouts_logged: int = Field(4, ge=0, description="sampled rollouts written per step")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 where matmuls run fast in it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_auto(cls, data: Any) -> Any:
+        return _auto_to_default(
+            data,
+            ("batch_size", "learning_rate_multiplier", "n_epochs", "eval_interval", "eval_samples", "beta"),
+        )
+
+    @model_validator(mode="after")
+    def _lengths(self) -> RLHyperparameters:
+        if self.min_completion_tokens > self.max_completion_tokens:
+            raise ValueError("min_completion_tokens must not exceed max_completion_tokens")
+        return self
+
+    @property
+    def effective_learning_rate(self) -> float:
+        return self.learning_rate * self.learning_rate_multiplier
+
+
+class GRPOHyperparameters(RLHyperparameters):
+    """GRPO (DeepSeekMath, arXiv 2402.03300): A = (r − mean_g)/(std_g + eps), per-sequence token mean, k3 KL in the
+    loss with β = 0.04."""
+
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    std_eps: float = Field(1e-4, gt=0)
+
+
+class DrGRPOHyperparameters(RLHyperparameters):
+    """Dr. GRPO (arXiv 2503.20783): A = r − mean_g, token sum over the constant B·L_max, no KL."""
+
+    beta: float = Field(0.0, ge=0)
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
+        "seq_mean_token_sum_norm"
+    )
+
+
+class DAPOHyperparameters(RLHyperparameters):
+    """DAPO (arXiv 2503.14476): clip-higher (ε_low 0.2, ε_high 0.28), dynamic sampling, token-level loss, overlong
+    reward shaping, no KL."""
+
+    epsilon_high: float = Field(0.28, gt=0)
+    beta: float = Field(0.0, ge=0)
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    std_eps: float = Field(1e-4, gt=0)
+    dynamic_sampling: bool = True
+    max_sampling_batches: int = Field(4, ge=1, description="rollout batches drawn at most to fill one step")
+    overlong_buffer: int | None = Field(None, ge=1, description="L_cache in tokens; default a quarter of L_max")
+    overlong_penalty: float = Field(1.0, ge=0, description="factor of the overlong penalty; 0 disables it")
+
+
+class RLOOHyperparameters(RLHyperparameters):
+    """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline, the completion as one action
+    (sequence-level ratio), KL as k1 summed into the reward with β = 0.05 (TRL's default)."""
+
+    beta: float = Field(0.05, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+
+
+class ReinforceHyperparameters(RLHyperparameters):
+    """REINFORCE (Williams 1992): A = r − b with b the batch mean (or none), on-policy (μ = 1, one mini-batch),
+    KL as k1 in the reward, off by default."""
+
+    beta: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
+        "seq_mean_token_sum_norm"
+    )
+    baseline: Literal["none", "batch_mean"] = "batch_mean"
+
+    @model_validator(mode="after")
+    def _on_policy(self) -> ReinforceHyperparameters:
+        if self.iterations_per_batch != 1 or self.mini_batches != 1:
+            raise ValueError("reinforce is on-policy: iterations_per_batch and mini_batches must be 1")
+        return self
+
+
+HYPERPARAMETERS: dict[str, type[RLHyperparameters]] = {
+    "grpo": GRPOHyperparameters,
+    "dr_grpo": DrGRPOHyperparameters,
+    "dapo": DAPOHyperparameters,
+    "rloo": RLOOHyperparameters,
+    "reinforce": ReinforceHyperparameters,
+}
+METHODS: tuple[str, ...] = tuple(HYPERPARAMETERS)
+OPENAI_ALIASES = {"reinforcement": "grpo"}
+
+
+class RLMethod(_Strict):
+    """The body under ``method.<type>`` for an online RL method."""
+
+    grader: dict[str, Any]
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+
+
+class MethodSpec(BaseModel):
+    """``method``: the type and its block, parsed into typed hyperparameters and a grader."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    type: str
+    hyperparameters: RLHyperparameters
+    grader: graders.Grader
+    lora: LoraSpec
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            self.type: {
+                "grader": self.grader.model_dump(mode="json", exclude_none=True),
+                "hyperparameters": self.hyperparameters.model_dump(mode="json"),
+                "lora": self.lora.model_dump(mode="json"),
+            },
+        }
+
+
+class JobSpec(BaseModel):
+    """A training job (design §3)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, Field(min_length=1)]
+    training_file: Annotated[str, Field(min_length=1)]
+    validation_file: str | None = None
+    seed: int = 0
+    suffix: str | None = Field(None, max_length=64)
+    metadata: dict[str, str] | None = None
+    method: MethodSpec
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and len(v) > 16:
+            raise ValueError("at most 16 metadata pairs")
+        return v
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.model_dump(mode="json", exclude={"method"}, exclude_none=True)
+        out["method"] = self.method.to_json()
+        return out
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _first_error(err: ValidationError, prefix: str) -> SpecError:
+    e = err.errors()[0]
+    path = ".".join(p for p in (prefix, _loc(e["loc"])) if p)
+    if e["type"] == "extra_forbidden":
+        return SpecError("unknown field", param=path)
+    if e["type"] == "missing":
+        return SpecError("field required", param=path)
+    msg = e["msg"].removeprefix("Value error, ")
+    return SpecError(msg, param=path or None)
+
+
+def _parse_method(raw: Any) -> MethodSpec:
+    if not isinstance(raw, dict):
+        raise SpecError("must be an object with a 'type'", param="method")
+    mtype = raw.get("type")
+    if not isinstance(mtype, str):
+        raise SpecError("field required", param="method.type")
+    key = OPENAI_ALIASES.get(mtype, mtype)
+    if key not in HYPERPARAMETERS:
+        raise SpecError(f"unknown method {mtype!r}; valid: {', '.join(METHODS)}", param="method.type")
+    extra = [k for k in raw if k not in ("type", mtype)]
+    if extra:
+        raise SpecError(f"unknown field (the method block's key must equal type {mtype!r})", param=f"method.{extra[0]}")
+    if mtype not in raw:
+        raise SpecError("field required", param=f"method.{mtype}")
+    try:
+        body = RLMethod.model_validate(raw[mtype])
+    except ValidationError as err:
+        raise _first_error(err, f"method.{mtype}") from None
+    try:
+        hp = HYPERPARAMETERS[key].model_validate(body.hyperparameters)
+    except ValidationError as err:
+        raise _first_error(err, f"method.{mtype}.hyperparameters") from None
+    try:
+        grader = graders.parse_grader(body.grader)
+    except graders.GraderError as err:
+        raise SpecError(str(err), param=f"method.{mtype}.grader") from None
+    _check_method(key, hp, f"method.{mtype}.hyperparameters")
+    return MethodSpec(type=key, hyperparameters=hp, grader=grader, lora=body.lora)
+
+
+def _check_method(method: str, hp: RLHyperparameters, where: str) -> None:
+    from trainer.recipes import RECIPES  # recipes import this module's hyperparameter models
+
+    recipe = RECIPES[method]
+    if recipe.needs_group and hp.group_size < 2:
+        raise SpecError(
+            f"{method} compares samples within a group: group_size must be at least 2",
+            param=f"{where}.group_size",
+        )
+    rollout = hp.batch_size * hp.group_size
+    if rollout % hp.mini_batches:
+        raise SpecError(
+            f"batch_size × group_size = {rollout} is not divisible into {hp.mini_batches} mini-batches",
+            param=f"{where}.mini_batches",
+        )
+    assert hp.loss_aggregation in AGGREGATIONS and hp.kl_estimator in KL_ESTIMATORS
+    overlong = hp.overlong_buffer if isinstance(hp, DAPOHyperparameters) else None
+    if overlong is not None and overlong > hp.max_completion_tokens:
+        raise SpecError("overlong_buffer must not exceed max_completion_tokens", param=f"{where}.overlong_buffer")
+
+
+def parse_spec(raw: Any) -> JobSpec:
+    """Validate a spec dict; raises :class:`SpecError` naming the first bad field."""
+    if not isinstance(raw, dict):
+        raise SpecError("the spec must be a JSON/YAML object")
+    method = _parse_method(raw.get("method")) if "method" in raw else None
+    if method is None:
+        raise SpecError("field required", param="method")
+    try:
+        return JobSpec.model_validate({**raw, "method": method})
+    except ValidationError as err:
+        raise _first_error(err, "") from None
+
+
+def load_spec(path: Path) -> JobSpec:
+    """Read a YAML or JSON spec file (YAML is a superset of JSON)."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML/JSON: {err}") from None
+    return parse_spec(raw)

@@ -1,0 +1,370 @@
+"""The math of policy optimisation: small pure tensor functions, chosen by name from registries.
+
+Shapes: ``P`` prompts, ``G`` samples per prompt (group size), ``B`` sequences in a (micro-)batch, ``T`` completion
+tokens (right padded). A ``mask`` is 1 on the completion tokens that count (up to and including the first EOS) and 0
+elsewhere; it is always built from generation lengths, never from token values (pad may equal EOS).
+
+Every registry has one typed signature; the registry is the only way a recipe picks a function, and an unknown name
+is an error listing the valid ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+import torch
+from torch import Tensor
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+class Registry(Generic[F]):
+    """Name → function. ``get`` of an unknown name raises ``KeyError`` naming the valid choices."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        def deco(fn: F) -> F:
+            if name in self._items:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self._items[name] = fn
+            return fn
+
+        return deco
+
+    def get(self, name: str) -> F:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {name!r}; valid: {', '.join(sorted(self._items))}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._items))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masked reductions and log-probs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ x·m, with masked positions zeroed by ``where`` first so that a NaN/inf there cannot leak (NaN·0 = NaN)."""
+    x = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ x·m / Σ m (0 where Σ m = 0)."""
+    n = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / n.clamp(min=1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x − mean) / sqrt(var + eps) over masked entries, var unbiased (Bessel); masked positions set to 0.
+
+    As TRL's and verl's ``masked_whiten``; with ``shift_mean=False`` the mean is added back.
+    """
+    n = mask.sum()
+    if n < 2:
+        raise ValueError("masked_whiten needs at least two unmasked values")
+    mean = masked_mean(x, mask)
+    var = masked_sum((x - mean) ** 2, mask) / (n - 1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def selective_log_softmax(logits: Tensor, ids: Tensor) -> Tensor:
+    """log softmax(logits)[ids] in fp32. logits [..., V], ids [...] → [...].
+
+    gather − logsumexp on fp32 logits: bf16 logsumexp is not accurate enough for importance ratios.
+    """
+    logits = logits.float()
+    picked = torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """H = logsumexp(z) − Σ softmax(z)·z per position, fp32. logits [..., V] → [...]."""
+    logits = logits.float()
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KL estimators (Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html)
+# ---------------------------------------------------------------------------------------------------------------
+
+KLEstimator = Callable[[Tensor, Tensor], Tensor]
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("kl estimator")
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = log π − log π_ref per token [B, T]; unbiased for KL(π‖π_ref) under x ~ π, can be negative."""
+    return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = ½ (log π − log π_ref)² per token [B, T]; ≥ 0, its gradient is the reverse-KL gradient."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = exp(ref − logp) − (ref − logp) − 1 per token [B, T]; ≥ 0, unbiased, low variance (DeepSeekMath's KL).
+
+    The log-ratio is clamped to ±20 as verl does, so one far-off token cannot overflow exp.
+    """
+    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    return torch.exp(d) - d - 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Advantage estimators: rewards [P, G] → advantages [P, G] (one scalar per sample, broadcast over its tokens)
+# ---------------------------------------------------------------------------------------------------------------
+
+ZERO_STD = 1e-6
+"""Groups whose reward std is below this are treated as all-equal (fp residue, e.g. of 0.35 rewards, would
+otherwise be blown up by the division; NeMo-RL PR 4161) and get advantage 0."""
+
+
+@dataclass(frozen=True)
+class AdvantageOptions:
+    """Options of the estimators. ``scale``: GRPO's std division (``group`` as in DeepSeekMath, ``batch`` as in
+    LitePPO, ``none`` as in Dr. GRPO). ``std_eps``: added to the std (TRL 1e-4). ``baseline``: REINFORCE's."""
+
+    scale: Literal["group", "batch", "none"] = "group"
+    std_eps: float = 1e-4
+    baseline: Literal["none", "batch_mean"] = "batch_mean"
+
+
+AdvantageEstimator = Callable[[Tensor, AdvantageOptions], Tensor]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def _group_stats(rewards: Tensor) -> tuple[Tensor, Tensor]:
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True, unbiased=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
+    return mean, std
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def advantage_grpo(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
+    """A_i = (r_i − mean_g) / (std_g + eps), std unbiased (DeepSeekMath, arXiv 2402.03300). [P, G] → [P, G].
+
+    ``opts.scale``: ``group`` divides by the group std, ``batch`` by the std of all rewards, ``none`` not at all.
+    All-equal groups get exactly 0.
+    """
+    mean, std = _group_stats(rewards)
+    centred = rewards - mean
+    if opts.scale == "group":
+        adv = centred / (std + opts.std_eps)
+    elif opts.scale == "batch":
+        adv = centred / (rewards.std(unbiased=True) + opts.std_eps) if rewards.numel() > 1 else centred
+    else:
+        adv = centred
+    return torch.where(std < ZERO_STD, torch.zeros_like(adv), adv)
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def advantage_dr_grpo(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
+    """A_i = r_i − mean_g: GRPO without the std division (Dr. GRPO, arXiv 2503.20783). [P, G] → [P, G]."""
+    mean, std = _group_stats(rewards)
+    adv = rewards - mean
+    return torch.where(std < ZERO_STD, torch.zeros_like(adv), adv)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def advantage_rloo(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
+    """A_i = r_i − (1/(G−1)) Σ_{j≠i} r_j = G/(G−1)·(r_i − mean_g) (Ahmadian et al. 2024, arXiv 2402.14740).
+
+    [P, G] → [P, G]; needs G ≥ 2.
+    """
+    g = rewards.shape[1]
+    if g < 2:
+        raise ValueError("RLOO needs a group of at least 2 samples per prompt")
+    loo_baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (g - 1)
+    return rewards - loo_baseline
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce")
+def advantage_reinforce(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
+    """A_i = r_i − b with b = 0 (``baseline='none'``) or the batch mean (Williams 1992). [P, G] → [P, G]."""
+    if opts.baseline == "none":
+        return rewards.clone()
+    return rewards - rewards.mean()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Policy losses: per-token losses [B, T] (0 on masked positions) and clip indicators
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClipOptions:
+    """ε_low / ε_high of the clipped surrogate (DAPO's clip-higher when they differ), and the dual-clip constant c
+    (Ye et al. 2019, arXiv 1912.09729; None disables it)."""
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    dual_clip: float | None = None
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    per_token: Tensor  # [B, T] loss per token, 0 where mask = 0
+    ratio: Tensor  # [B, T] importance ratio π/π_old actually used
+    clipped_low: Tensor  # [B, T] bool: A < 0 and ρ < 1 − ε_low (zero gradient)
+    clipped_high: Tensor  # [B, T] bool: A > 0 and ρ > 1 + ε_high (zero gradient)
+    clipped_dual: Tensor  # [B, T] bool: A < 0 and ρ > c (dual clip active)
+
+
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, ClipOptions], PolicyLossOutput]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def _clipped_surrogate(
+    ratio: Tensor, adv: Tensor, mask: Tensor, opts: ClipOptions
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(mask, dtype=torch.bool)
+    if opts.dual_clip is not None:
+        capped = torch.minimum(loss, -adv * opts.dual_clip)  # for A < 0, −c·A = c·|A|
+        dual = (adv < 0) & (loss > -adv * opts.dual_clip) & mask.bool()
+        loss = torch.where(adv < 0, capped, loss)
+    m = mask.bool()
+    low = (adv < 0) & (ratio < 1.0 - opts.epsilon_low) & m
+    high = (adv > 0) & (ratio > 1.0 + opts.epsilon_high) & m
+    return torch.where(m, loss, torch.zeros_like(loss)), low, high, dual
+
+
+@POLICY_LOSSES.register("clipped")
+def policy_loss_clipped(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, opts: ClipOptions
+) -> PolicyLossOutput:
+    """Token-level PPO surrogate (Schulman et al. 2017): L_t = max(−A ρ_t, −A clip(ρ_t, 1−ε_low, 1+ε_high)).
+
+    logp, old_logp, mask [B, T]; advantages [B] (broadcast over tokens) or [B, T]. With ``dual_clip = c``,
+    L_t = min(L_t, c·|A|) for A < 0. log ρ is clamped to ±20 before exp, as verl does.
+    """
+    adv = advantages.unsqueeze(-1).expand_as(logp) if advantages.dim() == 1 else advantages
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    loss, low, high, dual = _clipped_surrogate(ratio, adv, mask, opts)
+    return PolicyLossOutput(loss, ratio, low, high, dual)
+
+
+@POLICY_LOSSES.register("sequence_clipped")
+def policy_loss_sequence_clipped(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, opts: ClipOptions
+) -> PolicyLossOutput:
+    """Sequence-level surrogate, the whole completion one action (RLOO as TRL implements it):
+    ρ_i = exp(Σ_t log π − Σ_t log π_old), L_i = max(−A_i ρ_i, −A_i clip(ρ_i, 1−ε_low, 1+ε_high)).
+
+    advantages [B]. L_i is written on every valid token of sequence i, so that the ``seq_mean_token_mean``
+    aggregation yields (1/B) Σ_i L_i exactly.
+    """
+    seq_log_ratio = masked_sum(logp - old_logp, mask, dim=-1)  # [B]
+    ratio = torch.exp(seq_log_ratio.clamp(-20.0, 20.0))
+    seq_mask = mask.sum(-1) > 0
+    loss, low, high, dual = _clipped_surrogate(ratio, advantages, seq_mask, opts)
+    expand = mask.bool()
+    per_token = torch.where(expand, loss.unsqueeze(-1).expand_as(logp), torch.zeros_like(logp))
+    return PolicyLossOutput(
+        per_token,
+        ratio.unsqueeze(-1).expand_as(logp),
+        low.unsqueeze(-1) & expand,
+        high.unsqueeze(-1) & expand,
+        dual.unsqueeze(-1) & expand,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loss aggregation: per-token losses of one micro-batch → its exact share of the whole mini-batch's loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Totals of the whole mini-batch (all its micro-batches together). Aggregating each micro-batch against these
+    totals and summing the micro-batch losses gives exactly the full-batch loss: no per-micro-batch bias (the
+    gradient-accumulation pitfall of TRL issue 2617 / ms-swift 10117)."""
+
+    total_tokens: float  # Σ_i |o_i| over the mini-batch
+    total_sequences: int  # B of the mini-batch
+    max_completion_tokens: int  # L_max, Dr. GRPO's constant
+
+
+Aggregation = Callable[[Tensor, Tensor, LossScale], Tensor]
+AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+
+
+@AGGREGATIONS.register("token_mean")
+def aggregate_token_mean(per_token: Tensor, mask: Tensor, scale: LossScale) -> Tensor:
+    """Σ_{i,t} L_{i,t} / Σ_i |o_i| over the whole mini-batch (DAPO's token-level loss, arXiv 2503.14476)."""
+    return masked_sum(per_token, mask) / max(scale.total_tokens, 1.0)
+
+
+@AGGREGATIONS.register("seq_mean_token_mean")
+def aggregate_seq_mean_token_mean(per_token: Tensor, mask: Tensor, scale: LossScale) -> Tensor:
+    """(1/B) Σ_i (1/|o_i|) Σ_t L_{i,t} (the original GRPO, DeepSeekMath arXiv 2402.03300)."""
+    per_seq = masked_sum(per_token, mask, dim=-1) / mask.sum(-1).clamp(min=1)
+    return per_seq.sum() / max(scale.total_sequences, 1)
+
+
+@AGGREGATIONS.register("seq_mean_token_sum_norm")
+def aggregate_seq_mean_token_sum_norm(per_token: Tensor, mask: Tensor, scale: LossScale) -> Tensor:
+    """Σ_{i,t} L_{i,t} / (B · L_max): a constant normaliser, no length bias (Dr. GRPO, arXiv 2503.20783; TRL's
+    ``dr_grpo``)."""
+    return masked_sum(per_token, mask) / max(scale.total_sequences * scale.max_completion_tokens, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DAPO's reward shaping and the adaptive KL controller
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def overlong_penalty(lengths: Tensor, *, max_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), [N] lengths → [N] penalties:
+    0 if |y| ≤ L_max − L_cache; ((L_max − L_cache) − |y|)/L_cache inside the buffer; −1 beyond L_max; × factor."""
+    if buffer <= 0 or buffer > max_tokens:
+        raise ValueError("overlong buffer must be in 1..max_tokens")
+    lengths = lengths.float()
+    start = max_tokens - buffer
+    inside = (start - lengths) / buffer
+    pen = torch.where(lengths <= start, torch.zeros_like(lengths), inside)
+    pen = torch.where(lengths > max_tokens, torch.full_like(lengths, -1.0), pen)
+    return pen * factor
+
+
+def adaptive_kl_update(beta: float, *, observed_kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """Ziegler et al. 2019 (arXiv 1909.08593): e = clip(KL/target − 1, ±0.2); β ← β·(1 + e·n_steps/horizon)."""
+    err = min(max(observed_kl / target - 1.0, -0.2), 0.2)
+    return beta * (1.0 + err * n_steps / horizon)
+
+
+def cosine_or_constant_lr(step: int, *, warmup: int, total: int, schedule: Literal["constant", "cosine"]) -> float:
+    """LR multiplier for training step ``step`` (0-based): linear warm-up over ``warmup`` steps, then 1 or a cosine
+    decay to 0 at ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,94 @@
+"""Scoring completions with a grader, and the mean reward of a policy on a dataset (``proxima eval``, validation)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from trainer import graders
+from trainer.data import PromptItem
+from trainer.models import Precision
+from trainer.rollout import Rollout, generate, left_pad
+
+
+@dataclass(frozen=True)
+class Scores:
+    rewards: Tensor  # [N] float32
+    sub: dict[str, Tensor]  # named sub-grader → [N]
+    texts: list[str]
+
+
+def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
+    """Completion text of every row, cut at its length (EOS and padding dropped)."""
+    return [
+        tokenizer.decode(rollout.completion_ids[i, : int(n)].tolist(), skip_special_tokens=True)
+        for i, n in enumerate(rollout.lengths)
+    ]
+
+
+def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[PromptItem]) -> Scores:
+    """Grade each (text, item) pair: rewards [N] and each named sub-grader's scores [N]."""
+    names = graders.grader_names(grader)
+    rewards = torch.empty(len(texts), dtype=torch.float32)
+    sub = {n: torch.zeros(len(texts), dtype=torch.float32) for n in names}
+    for i, (text, item) in enumerate(zip(texts, items, strict=True)):
+        res = graders.grade(grader, output_text=text, item=item.item)
+        rewards[i] = res.score
+        for n, v in res.sub_scores.items():
+            if n in sub:
+                sub[n][i] = v
+    return Scores(rewards, sub, list(texts))
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    mean_reward: float
+    n: int
+    sub_means: dict[str, float]
+    texts: list[str]
+
+    def as_json(self) -> dict[str, object]:
+        return {"mean_reward": self.mean_reward, "n": self.n, "sub_rewards": self.sub_means}
+
+
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[list[int]],
+    items: Sequence[PromptItem],
+    grader: graders.Grader,
+    *,
+    max_new_tokens: int,
+    precision: Precision,
+    temperature: float = 0.0,
+    batch_size: int = 64,
+    generator: torch.Generator | None = None,
+) -> EvalResult:
+    """Mean reward of one completion per prompt (greedy at temperature 0)."""
+    device = next(model.parameters()).device
+    texts: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        ids, mask = left_pad(prompts[start : start + batch_size], tokenizer.pad_token_id)
+        ro = generate(
+            model,
+            ids.to(device),
+            mask.to(device),
+            max_new_tokens=max_new_tokens,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            temperature=temperature,
+            generator=generator,
+            precision=precision,
+        )
+        texts += decode_completions(tokenizer, ro)
+    scores = grade_batch(grader, texts, items)
+    return EvalResult(
+        mean_reward=float(scores.rewards.mean()),
+        n=len(texts),
+        sub_means={k: float(v.mean()) for k, v in scores.sub.items()},
+        texts=texts,
+    )

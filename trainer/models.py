@@ -1,0 +1,113 @@
+"""Loading a causal LM with a LoRA adapter, and the precision it runs at.
+
+The weights stay fp32 (the LoRA parameters are the optimiser's master weights); ``bf16`` runs the matmuls under
+autocast, where the hardware has fast bf16 units (GPUs with bf16, and CPUs with AMX/AVX512-BF16). Log-softmax and
+losses are computed in fp32 either way (``core_algos.selective_log_softmax``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from trainer.config import LoraSpec
+
+Precision = Literal["fp32", "bf16"]
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded or used as asked (names the model)."""
+
+
+def fast_bf16_available(device: torch.device) -> bool:
+    """True where bf16 matmuls are fast: CUDA devices that support bf16, CPUs with AMX or AVX512-BF16."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+        return "amx_bf16" in flags or "avx512_bf16" in flags
+    return False
+
+
+def resolve_precision(requested: Literal["auto", "fp32", "bf16"], device: torch.device) -> Precision:
+    if requested == "auto":
+        return "bf16" if fast_bf16_available(device) else "fp32"
+    return requested
+
+
+def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """bf16 autocast for the forward passes, or nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(model)
+    if tok.eos_token_id is None:
+        raise ModelError(f"model {model!r}: its tokenizer defines no EOS token")
+    if tok.pad_token_id is None:
+        # Masks are built from lengths, never from token values, so pad == eos is safe here.
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_base_model(model: str, device: torch.device) -> PreTrainedModel:
+    """Any Hugging Face causal LM by hub id or local path, fp32 weights, dropout off (eval mode)."""
+    try:
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot load model {model!r}: {err}") from None
+    base.to(device)
+    base.eval()
+    base.config.use_cache = True
+    return base
+
+
+def add_lora(base: PreTrainedModel, spec: LoraSpec, *, seed: int) -> PeftModel:
+    """Wrap ``base`` in a fresh LoRA adapter (B = 0, so the policy starts equal to the reference)."""
+    torch.manual_seed(seed)  # LoRA A's init
+    cfg = LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=spec.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(base, cfg)
+    except ValueError as err:
+        raise ModelError(f"LoRA target_modules {spec.target_modules!r}: {err}") from None
+    model.eval()
+    return model
+
+
+def load_adapter(base: PreTrainedModel, adapter_dir: Path, *, trainable: bool = False) -> PeftModel:
+    model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
+    model.eval()
+    return model
+
+
+@contextlib.contextmanager
+def reference_policy(model: PeftModel) -> Iterator[None]:
+    """The reference policy is the base model with the adapter disabled: never a second copy of the weights."""
+    with model.disable_adapter():
+        yield
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,49 @@
+"""Methods are recipes, not subclasses: each online RL method is one row naming its parts.
+
+The hyperparameter model of each method (``trainer.config``) carries the paper's defaults for the knobs a user can
+turn (clip range, β, aggregation, ...); the row fixes what makes the method itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trainer.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    advantage: str  # key of ADVANTAGE_ESTIMATORS
+    policy_loss: str  # key of POLICY_LOSSES
+    kl_placement: Literal["loss", "reward"]  # β·KL added to the per-token loss, or −β·Σ_t KL to the reward
+    needs_group: bool  # the baseline compares samples of one prompt: G ≥ 2
+    dynamic_sampling: bool = False  # DAPO: drop all-equal groups and sample more (hyperparameter can turn it off)
+    overlong_shaping: bool = False  # DAPO: soft overlong punishment added to the reward
+    paper: str = ""
+
+    def __post_init__(self) -> None:
+        ADVANTAGE_ESTIMATORS.get(self.advantage)
+        POLICY_LOSSES.get(self.policy_loss)
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("grpo", "grpo", "clipped", "loss", needs_group=True, paper="arXiv 2402.03300"),
+        Recipe("dr_grpo", "dr_grpo", "clipped", "loss", needs_group=True, paper="arXiv 2503.20783"),
+        Recipe(
+            "dapo",
+            "grpo",
+            "clipped",
+            "loss",
+            needs_group=True,
+            dynamic_sampling=True,
+            overlong_shaping=True,
+            paper="arXiv 2503.14476",
+        ),
+        Recipe("rloo", "rloo", "sequence_clipped", "reward", needs_group=True, paper="arXiv 2402.14740"),
+        Recipe("reinforce", "reinforce", "clipped", "reward", needs_group=False, paper="Williams 1992"),
+    )
+}

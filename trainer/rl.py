@@ -1,0 +1,572 @@
+"""The online RL loop (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE), readable top to bottom.
+
+One training step: sample ``batch_size`` prompts → ``group_size`` completions each → grade → (DAPO) drop all-equal
+groups and sample more → advantages → μ passes of mini-batch updates, each mini-batch accumulated over micro-batches
+against the mini-batch's totals → metrics, rollouts, checkpoint. The recipe row (``trainer.recipes``) names the
+method's parts; the math lives in ``trainer.core_algos``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoConfig
+
+from trainer import checkpoint as ckpt
+from trainer import metrics as M
+from trainer.callbacks import Callback
+from trainer.config import (
+    DAPOHyperparameters,
+    JobSpec,
+    ReinforceHyperparameters,
+    RLHyperparameters,
+    SpecError,
+)
+from trainer.core_algos import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    ZERO_STD,
+    AdvantageOptions,
+    ClipOptions,
+    LossScale,
+    cosine_or_constant_lr,
+    masked_mean,
+    masked_sum,
+    overlong_penalty,
+)
+from trainer.data import DatasetError, PromptItem, PromptSampler, load_prompts
+from trainer.evaluate import decode_completions, evaluate, grade_batch
+from trainer.models import (
+    Precision,
+    add_lora,
+    default_device,
+    load_base_model,
+    load_tokenizer,
+    reference_policy,
+    resolve_precision,
+    trainable_parameters,
+)
+from trainer.recipes import RECIPES, Recipe
+from trainer.rollout import (
+    PromptTooLongError,
+    Rollout,
+    completion_logprobs,
+    encode_prompts,
+    generate,
+    left_pad,
+    micro_slices,
+)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    last_step: int
+    total_steps: int
+    stopped: bool  # True when should_stop() ended the run early
+    adapter_dir: Path | None  # the final adapter (None when stopped early)
+    final_metrics: dict[str, float]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def total_steps(hp: RLHyperparameters, n_prompts: int) -> int:
+    return hp.max_steps or hp.n_epochs * math.ceil(n_prompts / hp.batch_size)
+
+
+def _encode(tokenizer: Any, items: list[PromptItem], hp: RLHyperparameters, path: str) -> list[list[int]]:
+    try:
+        return encode_prompts(tokenizer, items, max_prompt_tokens=hp.max_prompt_tokens)
+    except PromptTooLongError as err:
+        raise DatasetError(str(err), line=err.item.line, path=path) from None
+
+
+@dataclass
+class _Batch:
+    """One step's rollout batch, ``N = P·G`` rows, rows of a group adjacent."""
+
+    rollout: Rollout
+    items: list[PromptItem]  # [N]
+    rewards: torch.Tensor  # [N] the reward the advantages are computed from (shaped, KL-penalised if so)
+    grader_rewards: torch.Tensor  # [N] the grader's reward alone
+    sub: dict[str, torch.Tensor]  # named sub-grader → [N]
+    texts: list[str]
+    old_logp: torch.Tensor | None  # [N, C] behaviour log-probs (computed when needed)
+    ref_logp: torch.Tensor | None  # [N, C]
+    groups_sampled: int
+    groups_zero_std: int
+    sampling_batches: int
+    generation_s: float
+
+
+class RLTrainer:
+    """Holds what the loop needs; :meth:`run` is the loop."""
+
+    def __init__(self, spec: JobSpec, *, output_dir: Path, callback: Callback, device: torch.device | None = None):
+        self.spec, self.out, self.cb = spec, output_dir, callback
+        self.hp: RLHyperparameters = spec.method.hyperparameters
+        self.recipe: Recipe = RECIPES[spec.method.type]
+        self.grader = spec.method.grader
+        hp = self.hp
+
+        # Everything that can be wrong with the input is checked before the model's weights are loaded.
+        self.train_items = load_prompts(Path(spec.training_file), grader=self.grader)
+        self.val_items = load_prompts(Path(spec.validation_file), grader=self.grader) if spec.validation_file else []
+        self.tokenizer = load_tokenizer(spec.model)
+        self.train_ids = _encode(self.tokenizer, self.train_items, hp, spec.training_file)
+        self.val_ids = _encode(self.tokenizer, self.val_items, hp, spec.validation_file or "")
+        model_cfg = AutoConfig.from_pretrained(spec.model)
+        max_pos = getattr(model_cfg, "max_position_embeddings", None)
+        longest = max(len(p) for p in self.train_ids + self.val_ids)
+        if max_pos is not None and longest + hp.max_completion_tokens > max_pos:
+            raise SpecError(
+                f"the longest prompt ({longest} tokens) plus max_completion_tokens ({hp.max_completion_tokens}) "
+                f"exceeds the model's context of {max_pos} tokens",
+                param=f"method.{spec.method.type}.hyperparameters.max_completion_tokens",
+            )
+        if hp.eval_samples:
+            self.val_ids, self.val_items = self.val_ids[: hp.eval_samples], self.val_items[: hp.eval_samples]
+        self.total_steps = total_steps(hp, len(self.train_items))
+
+        self.device = device or default_device()
+        self.precision: Precision = resolve_precision(hp.precision, self.device)
+        seed_everything(spec.seed)
+        self.model = add_lora(load_base_model(spec.model, self.device), spec.method.lora, seed=spec.seed)
+        self.params = trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=hp.effective_learning_rate,
+            betas=(hp.adam_beta1, hp.adam_beta2),
+            weight_decay=hp.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: cosine_or_constant_lr(
+                s, warmup=hp.warmup_steps, total=self.total_steps, schedule=hp.lr_scheduler
+            ),
+        )
+        self.sampler = PromptSampler(len(self.train_items), seed=spec.seed)
+        self.generator = torch.Generator(self.device).manual_seed(spec.seed)
+
+        self.advantage = ADVANTAGE_ESTIMATORS.get(self.recipe.advantage)
+        self.policy_loss = POLICY_LOSSES.get(self.recipe.policy_loss)
+        self.aggregate = AGGREGATIONS.get(hp.loss_aggregation)
+        self.kl = KL_ESTIMATORS.get(hp.kl_estimator)
+        self.adv_opts = AdvantageOptions(
+            scale=getattr(hp, "scale_rewards", "group"),
+            std_eps=getattr(hp, "std_eps", 1e-4),
+            baseline=hp.baseline if isinstance(hp, ReinforceHyperparameters) else "batch_mean",
+        )
+        self.clip = ClipOptions(hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
+        # With one pass over one mini-batch the policy that sampled is the policy being updated: old = logp.detach()
+        # makes ρ ≡ 1 exactly (as TRL does) instead of relying on two forward passes agreeing bit for bit.
+        self.on_policy = hp.iterations_per_batch == 1 and hp.mini_batches == 1
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def _state(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": ckpt.rng_state(self.generator),
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> int:
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, t in state["trainable"].items():
+                named[n].copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.set_rng_state(state["rng"], self.generator)
+        return int(state["step"])
+
+    def _save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
+        c = ckpt.save_checkpoint(
+            self.out,
+            step=step,
+            model=self.model,
+            state=self._state(step),
+            spec=self.spec.to_json(),
+            metrics=metrics,
+        )
+        self.cb.on_checkpoint(step, c.path, metrics)
+        return c
+
+    # -- rollout -----------------------------------------------------------------------------------------------
+
+    def _sample_groups(self) -> tuple[Rollout, list[PromptItem], float]:
+        hp = self.hp
+        idx = self.sampler.next(hp.batch_size)
+        prompts = [self.train_ids[i] for i in idx for _ in range(hp.group_size)]  # rows of a group adjacent
+        items = [self.train_items[i] for i in idx for _ in range(hp.group_size)]
+        ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
+        t0 = time.perf_counter()
+        ro = generate(
+            self.model,
+            ids.to(self.device),
+            mask.to(self.device),
+            max_new_tokens=hp.max_completion_tokens,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=self.tokenizer.pad_token_id,
+            temperature=hp.temperature,
+            top_p=hp.top_p,
+            min_new_tokens=hp.min_completion_tokens,
+            generator=self.generator,
+            precision=self.precision,
+        )
+        return ro, items, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _logprobs(self, ro: Rollout, *, reference: bool) -> torch.Tensor:
+        """Log-probs of the whole rollout under the current policy or the reference, micro-batch by micro-batch."""
+        out = []
+        for sl in micro_slices(len(ro), self.hp.micro_batch_size):
+            part = ro.select(torch.arange(sl.start, sl.stop))
+            if reference:
+                with reference_policy(self.model):
+                    lp, _ = completion_logprobs(
+                        self.model, part, temperature=self.hp.temperature, precision=self.precision
+                    )
+            else:
+                lp, _ = completion_logprobs(self.model, part, temperature=self.hp.temperature, precision=self.precision)
+            out.append(lp)
+        width = ro.completion_ids.shape[1]
+        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in out])
+
+    def _collect(self) -> _Batch:
+        """Sample, grade and shape rewards; DAPO's dynamic sampling keeps drawing until the batch is full."""
+        hp, g = self.hp, self.hp.group_size
+        dynamic = self.recipe.dynamic_sampling and isinstance(hp, DAPOHyperparameters) and hp.dynamic_sampling
+        max_batches = hp.max_sampling_batches if isinstance(hp, DAPOHyperparameters) and dynamic else 1
+        kept: list[tuple[Rollout, list[PromptItem], torch.Tensor, torch.Tensor, dict[str, torch.Tensor], list[str]]]
+        kept = []
+        n_kept = sampled = zero_std = batches = 0
+        gen_s = 0.0
+        while batches < max_batches and n_kept < hp.batch_size:
+            ro, items, secs = self._sample_groups()
+            batches, gen_s = batches + 1, gen_s + secs
+            ro = ro.to("cpu")
+            texts = decode_completions(self.tokenizer, ro)
+            scores = grade_batch(self.grader, texts, items)
+            shaped = scores.rewards.clone()
+            if self.recipe.overlong_shaping and isinstance(hp, DAPOHyperparameters) and hp.overlong_penalty > 0:
+                buffer = hp.overlong_buffer or max(hp.max_completion_tokens // 4, 1)
+                shaped += overlong_penalty(
+                    ro.lengths, max_tokens=hp.max_completion_tokens, buffer=buffer, factor=hp.overlong_penalty
+                )
+            std = shaped.view(-1, g).std(dim=1) if g > 1 else torch.ones(len(shaped) // g)
+            flat = (std < ZERO_STD).tolist()
+            sampled += len(flat)
+            zero_std += sum(flat)
+            keep = [i for i, z in enumerate(flat) if not (dynamic and z)][: hp.batch_size - n_kept]
+            if not keep:
+                continue
+            rows = torch.tensor([i * g + j for i in keep for j in range(g)])
+            kept.append(
+                (
+                    ro.select(rows),
+                    [items[r] for r in rows.tolist()],
+                    shaped[rows],
+                    scores.rewards[rows],
+                    {k: v[rows] for k, v in scores.sub.items()},
+                    [texts[r] for r in rows.tolist()],
+                )
+            )
+            n_kept += len(keep)
+        if dynamic and n_kept < hp.batch_size:
+            self.cb.on_event(
+                "warn",
+                f"dynamic sampling filled {n_kept} of {hp.batch_size} groups after "
+                f"{batches} rollout batches (max_sampling_batches)",
+            )
+        if not kept:
+            empty = torch.zeros(0)
+            return _Batch(
+                Rollout(*(t[:0] for t in ro.tensors())),
+                [],
+                empty,
+                empty,
+                {},
+                [],
+                None,
+                None,
+                sampled,
+                zero_std,
+                batches,
+                gen_s,
+            )
+        rollout = Rollout.concat([k[0] for k in kept], self.tokenizer.pad_token_id).to(self.device)
+        batch = _Batch(
+            rollout=rollout,
+            items=[it for k in kept for it in k[1]],
+            rewards=torch.cat([k[2] for k in kept]),
+            grader_rewards=torch.cat([k[3] for k in kept]),
+            sub={name: torch.cat([k[4][name] for k in kept]) for name in kept[0][4]},
+            texts=[t for k in kept for t in k[5]],
+            old_logp=None,
+            ref_logp=None,
+            groups_sampled=sampled,
+            groups_zero_std=zero_std,
+            sampling_batches=batches,
+            generation_s=gen_s,
+        )
+        kl_in_reward = self.recipe.kl_placement == "reward" and hp.beta > 0
+        if not self.on_policy or kl_in_reward:
+            batch.old_logp = self._logprobs(rollout, reference=False)
+        if hp.beta > 0:
+            batch.ref_logp = self._logprobs(rollout, reference=True)
+        if kl_in_reward:
+            assert batch.old_logp is not None and batch.ref_logp is not None
+            seq_kl = masked_sum(self.kl(batch.old_logp, batch.ref_logp), rollout.completion_mask, dim=-1)
+            batch.rewards = batch.rewards - hp.beta * seq_kl.cpu()
+        return batch
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def run(self, *, resume: bool = False) -> RunResult:
+        hp, cb = self.hp, self.cb
+        start = 0
+        latest = ckpt.latest_checkpoint(self.out) if resume else None
+        if latest is not None:
+            start = self._load_state(ckpt.load_state(latest))
+            cb.on_event("info", f"resumed from checkpoint at step {start}", {"step": start})
+        else:
+            cb.on_event(
+                "info",
+                f"training {self.spec.method.type} on {self.spec.model} for {self.total_steps} steps",
+                {"total_steps": self.total_steps, "precision": self.precision},
+            )
+        last_metrics: dict[str, float] = {}
+        last_saved = start
+        step = start
+        for step in range(start + 1, self.total_steps + 1):
+            if cb.should_stop():
+                step -= 1
+                if last_saved != step:
+                    self._save(step, last_metrics)
+                cb.on_event("info", f"stopped at step {step}", {"step": step})
+                return RunResult(step, self.total_steps, True, None, last_metrics)
+            last_metrics = self._step(step)
+            if step % hp.checkpoint_interval == 0 or step == self.total_steps:
+                self._save(step, last_metrics)
+                last_saved = step
+        adapter = self.out / "adapter"
+        shutil.rmtree(adapter, ignore_errors=True)
+        final = ckpt.latest_checkpoint(self.out)
+        assert final is not None and final.step == self.total_steps
+        shutil.copytree(final.adapter_dir, adapter)
+        cb.on_event("info", "training finished", {"step": step})
+        return RunResult(self.total_steps, self.total_steps, False, adapter, last_metrics)
+
+    def _step(self, step: int) -> dict[str, float]:
+        hp, g = self.hp, self.hp.group_size
+        t_step = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        batch = self._collect()
+        ro = batch.rollout
+        n = len(ro)
+        m: dict[str, float] = {}
+        adv = torch.zeros(0)
+        if n:
+            adv = self.advantage(batch.rewards.view(-1, g), self.adv_opts).reshape(-1).to(self.device)
+            mask = ro.completion_mask.to(torch.float32)
+            if hp.mask_truncated_completions:
+                mask = mask * (~ro.truncated).unsqueeze(-1).float()
+            m |= self._optimise(step, ro, mask, adv, batch)
+        self.scheduler.step()
+
+        lengths = ro.lengths.float()
+        m |= {
+            M.REWARD_MEAN: _mean(batch.grader_rewards),
+            M.REWARD_STD: _std(batch.grader_rewards),
+            M.COMPLETION_LEN_MEAN: _mean(lengths),
+            M.COMPLETION_LEN_MAX: float(lengths.max()) if n else 0.0,
+            M.TRUNCATED_FRAC: _mean(ro.truncated.float()),
+            M.GROUPS_ZERO_STD_FRAC: batch.groups_zero_std / max(batch.groups_sampled, 1),
+            M.LEARNING_RATE: lr,
+            M.GENERATION_SECONDS: batch.generation_s,
+        }
+        for name, v in batch.sub.items():
+            m[M.reward_of(name)] = _mean(v)
+        if self.recipe.dynamic_sampling:
+            m[M.GROUPS_DROPPED] = float(batch.groups_sampled - n // g)
+            m[M.SAMPLING_BATCHES] = float(batch.sampling_batches)
+        if hp.beta > 0:
+            m[M.KL_COEF] = hp.beta
+        m[M.TOKENS_PER_S_GENERATION] = float(lengths.sum()) / max(batch.generation_s, 1e-9) if n else 0.0
+
+        if self.val_items and ((hp.eval_interval and step % hp.eval_interval == 0) or step == self.total_steps):
+            res = self.validate()
+            m[M.VAL_REWARD_MEAN] = res.mean_reward
+            for name, v in res.sub_means.items():
+                m[M.reward_of(name, validation=True)] = v
+        m[M.STEP_SECONDS] = time.perf_counter() - t_step
+        self.cb.on_metrics(step, m)
+        if hp.rollouts_logged and n:
+            self.cb.on_rollouts(step, self._rollout_records(batch, adv.cpu(), hp.rollouts_logged))
+        return m
+
+    def _optimise(
+        self, step: int, ro: Rollout, mask: torch.Tensor, adv: torch.Tensor, batch: _Batch
+    ) -> dict[str, float]:
+        """μ passes over the rollout batch in mini-batches; each mini-batch is one optimiser step, accumulated over
+        micro-batches whose losses are normalised by the mini-batch's totals (exactly the full-batch loss)."""
+        hp = self.hp
+        n = len(ro)
+        kl_in_loss = self.recipe.kl_placement == "loss" and hp.beta > 0
+        order_gen = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + step)  # derived: nothing to save
+        sums = {
+            "tok": 0.0,
+            "low": 0.0,
+            "high": 0.0,
+            "dual": 0.0,
+            "approx_kl": 0.0,
+            "ent": 0.0,
+            "ent_tok": 0.0,
+            "kl": 0.0,
+            "kl_tok": 0.0,
+            "pg": 0.0,
+            "kl_loss": 0.0,
+            "grad": 0.0,
+            "opt_steps": 0.0,
+        }
+        train_tokens = 0
+        t0 = time.perf_counter()
+        mb_size = n // hp.mini_batches
+        for it in range(hp.iterations_per_batch):
+            perm = torch.randperm(n, generator=order_gen) if hp.mini_batches > 1 else torch.arange(n)
+            for mb_start in range(0, n, mb_size):
+                mb = perm[mb_start : mb_start + mb_size]
+                scale = LossScale(float(mask[mb].sum()), len(mb), hp.max_completion_tokens)
+                self.optimizer.zero_grad(set_to_none=True)
+                for sl in micro_slices(len(mb), hp.micro_batch_size):
+                    idx = mb[sl]
+                    part = ro.select(idx.to(ro.prompt_ids.device))
+                    pmask = mask[idx]
+                    self.model.train(self.spec.method.lora.dropout > 0)
+                    logp, ent = completion_logprobs(
+                        self.model,
+                        part,
+                        temperature=hp.temperature,
+                        precision=self.precision,
+                        with_entropy=it == 0,
+                    )
+                    self.model.eval()
+                    old = logp.detach() if self.on_policy else batch.old_logp[idx]  # type: ignore[index]
+                    out = self.policy_loss(logp, old, adv[idx], pmask, self.clip)
+                    pg_loss = self.aggregate(out.per_token, pmask, scale)
+                    loss = pg_loss
+                    if batch.ref_logp is not None:
+                        kl_tok = self.kl(logp, batch.ref_logp[idx])
+                        if kl_in_loss:
+                            kl_loss = hp.beta * self.aggregate(kl_tok, pmask, scale)
+                            loss = loss + kl_loss
+                            sums["kl_loss"] += float(kl_loss)
+                        if it == 0:
+                            sums["kl"] += float(masked_sum(kl_tok.detach(), pmask))
+                            sums["kl_tok"] += float(pmask.sum())
+                    loss.backward()
+                    sums["pg"] += float(pg_loss)
+                    tok = float(pmask.sum())
+                    sums["tok"] += tok
+                    sums["low"] += float(out.clipped_low.sum())
+                    sums["high"] += float(out.clipped_high.sum())
+                    sums["dual"] += float(out.clipped_dual.sum())
+                    sums["approx_kl"] += float(masked_sum(0.5 * (logp.detach() - old) ** 2, pmask))
+                    if ent is not None:
+                        sums["ent"] += float(masked_sum(ent, pmask))
+                        sums["ent_tok"] += tok
+                    train_tokens += int(part.prompt_mask.sum() + part.completion_mask.sum())
+                max_norm = hp.max_grad_norm if hp.max_grad_norm is not None else float("inf")
+                sums["grad"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+                sums["opt_steps"] += 1
+                self.optimizer.step()
+        train_s = time.perf_counter() - t0
+        steps = max(sums["opt_steps"], 1.0)
+        tok = max(sums["tok"], 1.0)
+        out_m = {
+            M.ADVANTAGE_MEAN: _mean(adv),
+            M.ADVANTAGE_STD: _std(adv),
+            M.LOSS_POLICY: sums["pg"] / steps,
+            M.LOSS_KL: sums["kl_loss"] / steps,
+            M.LOSS_TOTAL: (sums["pg"] + sums["kl_loss"]) / steps,
+            M.CLIP_FRAC_LOW: sums["low"] / tok,
+            M.CLIP_FRAC_HIGH: sums["high"] / tok,
+            M.APPROX_KL: sums["approx_kl"] / tok,
+            M.GRAD_NORM: sums["grad"] / steps,
+            M.ENTROPY_MEAN: sums["ent"] / max(sums["ent_tok"], 1.0),
+            M.TOKENS_PER_S_TRAINING: train_tokens / max(train_s, 1e-9),
+        }
+        if hp.dual_clip is not None:
+            out_m[M.CLIP_FRAC_DUAL] = sums["dual"] / tok
+        if batch.ref_logp is not None:
+            if self.recipe.kl_placement == "reward":
+                assert batch.old_logp is not None
+                out_m[M.KL_MEAN] = float(masked_mean(self.kl(batch.old_logp, batch.ref_logp), mask))
+            else:
+                out_m[M.KL_MEAN] = sums["kl"] / max(sums["kl_tok"], 1.0)
+        return out_m
+
+    def _rollout_records(self, batch: _Batch, adv: torch.Tensor, k: int) -> list[dict[str, Any]]:
+        out = []
+        for i in range(min(k, len(batch.texts))):
+            out.append(
+                {
+                    "prompt": batch.items[i].messages,
+                    "completion": batch.texts[i],
+                    "reward": float(batch.grader_rewards[i]),
+                    "rewards": {name: float(v[i]) for name, v in batch.sub.items()},
+                    "advantage": float(adv[i]),
+                    "length": int(batch.rollout.lengths[i]),
+                }
+            )
+        return out
+
+    def validate(self) -> Any:
+        return evaluate(
+            self.model,
+            self.tokenizer,
+            self.val_ids,
+            self.val_items,
+            self.grader,
+            max_new_tokens=self.hp.max_completion_tokens,
+            precision=self.precision,
+        )
+
+
+def _mean(x: torch.Tensor) -> float:
+    return float(x.float().mean()) if x.numel() else 0.0
+
+
+def _std(x: torch.Tensor) -> float:
+    return float(x.float().std()) if x.numel() > 1 else 0.0
+
+
+def train(
+    spec: JobSpec,
+    *,
+    output_dir: Path,
+    callback: Callback,
+    resume: bool = False,
+    device: torch.device | None = None,
+) -> RunResult:
+    """Run a spec to the end (or until ``callback.should_stop()``); see :class:`RLTrainer`."""
+    return RLTrainer(spec, output_dir=output_dir, callback=callback, device=device).run(resume=resume)

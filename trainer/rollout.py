@@ -1,0 +1,246 @@
+"""Rollouts: prompt encoding, batched sampling with a KV cache, and per-token log-probs.
+
+Layout of a batch: prompts left-padded to ``P`` tokens, completions right-padded to ``C`` tokens. The completion mask
+covers the tokens up to and including the first EOS and is built from generation lengths, never from token values
+(pad may equal EOS; rl-algorithms §4.3). Position ids are ``cumsum(mask) − 1`` so that left padding does not shift
+positions (§4.2). Log-probs divide the logits by the sampling temperature (§4.13) and use an fp32 log-softmax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from trainer.core_algos import entropy_from_logits, selective_log_softmax
+from trainer.data import PromptItem
+from trainer.models import Precision, autocast
+
+
+class PromptTooLongError(ValueError):
+    def __init__(self, item: PromptItem, n_tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt has {n_tokens} tokens, more than max_prompt_tokens = {limit}")
+        self.item = item
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """The tokenizer's chat template when it has one, else the contents joined by newlines."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert isinstance(text, str)
+        return text
+    return "\n".join(m["content"] for m in messages)
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, items: Sequence[PromptItem], *, max_prompt_tokens: int
+) -> list[list[int]]:
+    """Token ids of each prompt (special tokens come from the chat template, none are added again)."""
+    out: list[list[int]] = []
+    for item in items:
+        ids = tokenizer(prompt_text(tokenizer, item.messages), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_tokens:
+            raise PromptTooLongError(item, len(ids), max_prompt_tokens)
+        out.append(list(ids))
+    return out
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """[N] lists → ids [N, P], mask [N, P] with the padding on the left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def position_ids(mask: Tensor) -> Tensor:
+    """cumsum(mask) − 1, clamped at 0: left padding does not shift positions."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class Rollout:
+    prompt_ids: Tensor  # [N, P] left-padded
+    prompt_mask: Tensor  # [N, P]
+    completion_ids: Tensor  # [N, C] right-padded
+    completion_mask: Tensor  # [N, C] 1 up to and including the first EOS
+    lengths: Tensor  # [N] completion lengths (EOS included)
+    truncated: Tensor  # [N] bool: no EOS within max_new_tokens
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, idx: Tensor) -> Rollout:
+        return Rollout(*(t[idx] for t in self.tensors()))
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return Rollout(*(t.to(device) for t in self.tensors()))
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (
+            self.prompt_ids,
+            self.prompt_mask,
+            self.completion_ids,
+            self.completion_mask,
+            self.lengths,
+            self.truncated,
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Rollout], pad_id: int) -> Rollout:
+        """Concatenate rollouts of different prompt/completion widths (re-padding prompts left, completions right)."""
+        p = max(r.prompt_ids.shape[1] for r in parts)
+        c = max(r.completion_ids.shape[1] for r in parts)
+
+        def pad(t: Tensor, width: int, value: int, left: bool) -> Tensor:
+            extra = width - t.shape[1]
+            if extra == 0:
+                return t
+            fill = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+            return torch.cat([fill, t] if left else [t, fill], dim=1)
+
+        return Rollout(
+            torch.cat([pad(r.prompt_ids, p, pad_id, True) for r in parts]),
+            torch.cat([pad(r.prompt_mask, p, 0, True) for r in parts]),
+            torch.cat([pad(r.completion_ids, c, pad_id, False) for r in parts]),
+            torch.cat([pad(r.completion_mask, c, 0, False) for r in parts]),
+            torch.cat([r.lengths for r in parts]),
+            torch.cat([r.truncated for r in parts]),
+        )
+
+
+def _sample_next(logits: Tensor, *, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
+    """One token per row from logits [N, V]: greedy at temperature 0, else softmax(z/T) restricted to the top-p
+    nucleus."""
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p.masked_fill(outside, 0.0)
+        choice = torch.multinomial(sorted_p, 1, generator=generator).squeeze(-1)
+        return order.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float,
+    top_p: float = 1.0,
+    min_new_tokens: int = 0,
+    generator: torch.Generator | None = None,
+    precision: Precision = "fp32",
+) -> Rollout:
+    """Sample one completion per prompt row with a KV cache. prompt_ids, prompt_mask [N, P] → :class:`Rollout`.
+
+    Rows that emitted EOS keep emitting pad and stop attending; the loop ends when every row is done.
+    ``min_new_tokens`` holds EOS off (its logit −inf) for that many tokens.
+    """
+    device = prompt_ids.device
+    n = prompt_ids.shape[0]
+    mask = prompt_mask.clone()
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
+    out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    with autocast(precision, device):
+        step = model(
+            input_ids=prompt_ids,
+            attention_mask=mask,
+            position_ids=position_ids(mask),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    past, logits = step.past_key_values, step.logits[:, -1]
+    pos = position_ids(mask)[:, -1:]
+    for t in range(max_new_tokens):
+        if t < min_new_tokens:
+            logits = logits.clone()
+            logits[:, eos_id] = float("-inf")
+        tok = _sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        out[:, t] = tok
+        newly = (~done) & (tok == eos_id)
+        lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
+        done = done | newly
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
+        pos = pos + 1
+        with autocast(precision, device):
+            step = model(
+                input_ids=tok.unsqueeze(-1),
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=past,
+                use_cache=True,
+            )
+        past, logits = step.past_key_values, step.logits[:, -1]
+    width = int(lengths.max())
+    out = out[:, :width]
+    cmask = (torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(-1)).long()
+    truncated = ~done
+    return Rollout(prompt_ids, prompt_mask, out, cmask, lengths, truncated)
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    batch: Rollout,
+    *,
+    temperature: float,
+    precision: Precision,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """log π(o_t | q, o_<t) / T-scaled, fp32, for every completion position: [B, C], and the entropy [B, C]
+    (no gradient) when asked. Differentiable when called with grad enabled."""
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    c = batch.completion_ids.shape[1]
+    with autocast(precision, ids.device):
+        logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids(mask),
+            use_cache=False,
+            logits_to_keep=c + 1,
+        ).logits
+    logits = logits[:, :-1].float()  # logits[:, t] predicts token t + 1: the last one predicts nothing we kept
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = selective_log_softmax(logits, batch.completion_ids)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach())
+    return logp, entropy
+
+
+def micro_slices(n: int, size: int | None) -> list[slice]:
+    """Consecutive slices of at most ``size`` rows covering 0..n (one slice when size is None)."""
+    size = size or n
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
