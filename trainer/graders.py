@@ -1,0 +1,774 @@
+"""Graders: the rewards of RL fine-tuning, shaped like OpenAI's grader objects (design §5).
+
+A grader is a pydantic model parsed from JSON (`parse_grader`) and scored by a pure function of one sample
+and its dataset row (`grade`). Strings may hold templates: `{{sample.output_text}}` is the model's completion,
+`{{item.<path>}}` a field of the row (dotted path for nesting; a digit indexes a list: `{{item.a.0}}`).
+Strings render verbatim; any other value renders as compact JSON (`3`, `true`, `null`, `{"a": 1}`).
+
+OpenAI's types: `string_check`, `text_similarity` (only `fuzzy_match`), `multi`. Ours: `numeric_match`,
+`regex`, `length_penalty`. Every score is a float. Problems found at grading time (a missing item field, a
+division by zero in a formula) never raise: they are listed in `GradeResult.errors`.
+"""
+
+import ast
+import difflib
+import functools
+import importlib
+import json
+import keyword
+import math
+import operator
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Annotated, Any, Literal, assert_never
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import ErrorDetails
+
+GRADER_TYPES: tuple[str, ...] = (
+    "string_check",
+    "text_similarity",
+    "multi",
+    "numeric_match",
+    "regex",
+    "length_penalty",
+)
+
+# Bounds on user input that runs inside the trainer process.
+MAX_FORMULA_CHARS = 1_000
+MAX_FORMULA_DEPTH = 32
+# Python's `re` has no timeout: a regex grader searches only the first MAX_REGEX_INPUT_CHARS characters of its
+# rendered input, and patterns with nested unbounded quantifiers are rejected when parsed (see RegexGrader).
+MAX_REGEX_INPUT_CHARS = 10_000
+
+
+class GraderError(ValueError):
+    """An invalid grader object; the message names the offending field: `grader.graders.acc.operation: …`."""
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    """The reward of one sample: `score`, per-grader `sub_scores` and the error flags raised while grading."""
+
+    score: float
+    sub_scores: dict[str, float]
+    errors: tuple[str, ...]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Templates
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """One `{{namespace.path}}` reference inside a template."""
+
+    namespace: Literal["sample", "item"]
+    path: tuple[str, ...]
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def text(self) -> str:
+        return "{{" + self.namespace + "." + self.dotted + "}}"
+
+
+_TEMPLATE_RE = re.compile(r"\{\{(.*?)\}\}", re.DOTALL)
+_PATH_SEGMENT_RE = re.compile(r"[^\s.{}]+")
+_SAMPLE_FIELDS = ("output_text",)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_template(template: str) -> tuple[str | _Ref, ...]:
+    """Split a template into literal text and references; ValueError names a bad reference."""
+    parts: list[str | _Ref] = []
+    end = 0
+    for match in _TEMPLATE_RE.finditer(template):
+        if match.start() > end:
+            parts.append(template[end : match.start()])
+        parts.append(_parse_ref(match.group(1).strip(), match.group(0)))
+        end = match.end()
+    if end < len(template):
+        parts.append(template[end:])
+    return tuple(parts)
+
+
+def _parse_ref(inner: str, raw: str) -> _Ref:
+    namespace, _, rest = inner.partition(".")
+    path = tuple(rest.split(".")) if rest else ()
+    if namespace not in ("sample", "item"):
+        raise ValueError(f"unknown namespace {namespace!r} in {raw}; only 'sample' and 'item' exist")
+    if not path or not all(_PATH_SEGMENT_RE.fullmatch(segment) for segment in path):
+        raise ValueError(f"invalid reference {raw}; expected {{{{{namespace}.<field>}}}}")
+    if namespace == "sample":
+        if path != ("output_text",):
+            valid = ", ".join("{{sample." + f + "}}" for f in _SAMPLE_FIELDS)
+            raise ValueError(f"unsupported sample field in {raw}; supported: {valid}")
+        return _Ref("sample", path)
+    return _Ref("item", path)
+
+
+def _validate_template(value: str) -> str:
+    _parse_template(value)
+    return value
+
+
+Template = Annotated[str, AfterValidator(_validate_template)]
+"""A string that may contain `{{sample.output_text}}` and `{{item.<path>}}`."""
+
+
+def _lookup(item: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
+    """(found, value) of a dotted path: mapping keys, or list indices for all-digit segments."""
+    current: Any = item
+    for segment in path:
+        if isinstance(current, Mapping) and segment in current:
+            current = current[segment]
+        elif (
+            isinstance(current, list)
+            and segment.isascii()
+            and segment.isdigit()
+            and int(segment) < len(current)
+        ):
+            current = current[int(segment)]
+        else:
+            return False, None
+    return True, current
+
+
+def _missing_field_message(grader_name: str, ref: _Ref) -> str:
+    return f"grader {grader_name!r} references {ref.text} but the item has no field {ref.dotted!r}"
+
+
+@dataclass
+class _Context:
+    output_text: str
+    item: Mapping[str, Any]
+    errors: list[str]
+
+
+def _render(template: str, grader_name: str, ctx: _Context) -> str:
+    """Fill a template; a missing item field renders as '' and adds an error flag."""
+    out: list[str] = []
+    for part in _parse_template(template):
+        if isinstance(part, str):
+            out.append(part)
+        elif part.namespace == "sample":
+            out.append(ctx.output_text)
+        else:
+            found, value = _lookup(ctx.item, part.path)
+            if not found:
+                ctx.errors.append(_missing_field_message(grader_name, part) + "; rendered as ''")
+                out.append("")
+            elif isinstance(value, str):
+                out.append(value)
+            else:
+                out.append(json.dumps(value, ensure_ascii=False, default=str))
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scoring functions (pure)
+
+
+def _contains_ci(text: str, reference: str) -> bool:
+    return reference.lower() in text.lower()
+
+
+# OpenAI's string_check: eq/ne compare exactly (nothing stripped); like/ilike: input contains reference.
+_STRING_OPERATIONS: dict[str, Callable[[str, str], bool]] = {
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "like": lambda text, reference: reference in text,
+    "ilike": _contains_ci,
+}
+
+
+def fuzzy_match(a: str, b: str) -> float:
+    """Similarity ratio in [0, 1]: 2·M / (len(a) + len(b)), M the characters in matching blocks.
+
+    Computed with `difflib.SequenceMatcher(autojunk=False).ratio()` (rapidfuzz is not installed here). It
+    equals RapidFuzz's normalised InDel `ratio` / 100, which OpenAI cites, whenever difflib's greedy matching
+    blocks form a longest common subsequence (they usually do). Two empty strings score 1.0.
+    """
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+_SIMILARITY_METRICS: dict[str, Callable[[str, str], float]] = {"fuzzy_match": fuzzy_match}
+
+# The last number of a text: optional sign (not when it is a binary minus as in "10-12"), digits with optional
+# thousands separators ("1,234"), optional decimals and exponent. U+2212 (−) counts as a minus sign.
+_NUMBER_RE = re.compile(
+    r"(?:(?<![\w)])[-+\u2212])?"
+    r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?:[eE][-+]?\d+)?"
+)
+
+
+def parse_last_number(text: str) -> float | None:
+    """The last number written in `text` ("-1,234.5", "0.25", "3e-2"), or None when there is none."""
+    last = None
+    for last in _NUMBER_RE.finditer(text):  # noqa: B007 — only the final match is wanted
+        pass
+    if last is None:
+        return None
+    return float(last.group(0).replace(",", "").replace("\u2212", "-"))
+
+
+def numbers_match(value: float, reference: float, *, tolerance: float, relative_tolerance: float) -> bool:
+    """|value − reference| ≤ max(tolerance, relative_tolerance · |reference|)."""
+    return abs(value - reference) <= max(tolerance, relative_tolerance * abs(reference))
+
+
+def length_penalty(
+    n_chars: int, *, max_chars: int, penalty_per_char: float, min_score: float | None
+) -> float:
+    """−max(0, n_chars − max_chars) · penalty_per_char, clipped below at min_score (None: unclipped)."""
+    excess = n_chars - max_chars
+    if excess <= 0:
+        return 0.0
+    score = -excess * penalty_per_char
+    return score if min_score is None else max(score, min_score)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Formulas of multi graders: parsed with `ast`, checked against a whitelist, evaluated by a small interpreter.
+
+_BINARY_OPERATORS: dict[type[ast.operator], Callable[[float, float], float]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: math.pow,  # math.pow raises on a complex result or overflow, where float ** float would not
+}
+_UNARY_FUNCTIONS: dict[str, Callable[[float], float]] = {
+    "abs": abs,
+    "ceil": math.ceil,
+    "exp": math.exp,
+    "floor": math.floor,
+    "log": math.log,  # natural logarithm
+    "sqrt": math.sqrt,
+}
+_VARIADIC_FUNCTIONS: dict[str, Callable[[list[float]], float]] = {"max": max, "min": min}
+FORMULA_FUNCTIONS: tuple[str, ...] = tuple(sorted([*_UNARY_FUNCTIONS, *_VARIADIC_FUNCTIONS]))
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_formula(formula: str) -> ast.expr:
+    """Parse `calculate_output`; ValueError names the first construct outside the whitelist.
+
+    Grammar: numbers, sub-grader keys, + - * / ** (OpenAI's `^` is read as `**`), unary ±, parentheses and the
+    calls in FORMULA_FUNCTIONS.
+    """
+    if len(formula) > MAX_FORMULA_CHARS:
+        raise ValueError(f"longer than {MAX_FORMULA_CHARS} characters")
+    try:
+        tree = ast.parse(formula.replace("^", "**").strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not a valid arithmetic expression ({exc.msg})") from exc
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise ValueError("not a valid arithmetic expression") from exc
+    _check_formula_node(tree.body, depth=0)
+    return tree.body
+
+
+def _check_formula_node(node: ast.expr, *, depth: int) -> None:
+    if depth > MAX_FORMULA_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_FORMULA_DEPTH} levels")
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, bool) or not isinstance(node.value, int | float):
+            raise ValueError(f"only numeric constants are allowed, not {node.value!r}")
+        try:
+            finite = math.isfinite(float(node.value))
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise ValueError(f"constant {ast.unparse(node)} is not a finite number")
+    elif isinstance(node, ast.Name):
+        pass  # checked against the sub-grader keys by MultiGrader
+    elif isinstance(node, ast.UnaryOp):
+        if not isinstance(node.op, ast.UAdd | ast.USub):
+            raise ValueError(f"operator {ast.unparse(node)!r} is not allowed; use + - * / ** only")
+        _check_formula_node(node.operand, depth=depth + 1)
+    elif isinstance(node, ast.BinOp):
+        if type(node.op) not in _BINARY_OPERATORS:
+            raise ValueError(f"operator in {ast.unparse(node)!r} is not allowed; use + - * / ** only")
+        _check_formula_node(node.left, depth=depth + 1)
+        _check_formula_node(node.right, depth=depth + 1)
+    elif isinstance(node, ast.Call):
+        allowed = ", ".join(FORMULA_FUNCTIONS)
+        if not isinstance(node.func, ast.Name):
+            raise ValueError(
+                f"call of {ast.unparse(node.func)!r} is not allowed; allowed functions: {allowed}"
+            )
+        name = node.func.id
+        if name not in _UNARY_FUNCTIONS and name not in _VARIADIC_FUNCTIONS:
+            raise ValueError(f"function {name!r} is not allowed; allowed functions: {allowed}")
+        if node.keywords or any(isinstance(arg, ast.Starred) for arg in node.args):
+            raise ValueError(f"{name}() takes positional arguments only")
+        if name in _UNARY_FUNCTIONS and len(node.args) != 1:
+            raise ValueError(f"{name}() takes exactly one argument")
+        if not node.args:
+            raise ValueError(f"{name}() takes at least one argument")
+        for arg in node.args:
+            _check_formula_node(arg, depth=depth + 1)
+    elif isinstance(node, ast.Attribute):
+        raise ValueError(f"attribute access {ast.unparse(node)!r} is not allowed")
+    else:
+        raise ValueError(f"{ast.unparse(node)!r} ({type(node).__name__}) is not allowed")
+
+
+def _formula_names(node: ast.expr) -> list[str]:
+    """Variable names of a checked formula, in order of appearance (function names excluded)."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.UnaryOp):
+        return _formula_names(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _formula_names(node.left) + _formula_names(node.right)
+    if isinstance(node, ast.Call):
+        return [name for arg in node.args for name in _formula_names(arg)]
+    return []
+
+
+def _evaluate(node: ast.expr, values: Mapping[str, float]) -> float:
+    """Evaluate a checked formula; raises ArithmeticError/ValueError on a non-finite or undefined result."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return float(node.value)
+    if isinstance(node, ast.Name):
+        return values[node.id]
+    if isinstance(node, ast.UnaryOp):
+        operand = _evaluate(node.operand, values)
+        return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.BinOp):
+        left, right = _evaluate(node.left, values), _evaluate(node.right, values)
+        result = _BINARY_OPERATORS[type(node.op)](left, right)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        args = [_evaluate(arg, values) for arg in node.args]
+        name = node.func.id
+        result = float(
+            _UNARY_FUNCTIONS[name](args[0]) if name in _UNARY_FUNCTIONS else _VARIADIC_FUNCTIONS[name](args)
+        )
+    else:  # unreachable for a formula that passed _check_formula_node
+        raise ValueError(f"unexpected {type(node).__name__}")
+    if not math.isfinite(result):
+        raise OverflowError(f"{ast.unparse(node)} is not finite")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# Regex safety: a heuristic against catastrophic backtracking, over CPython's private regex parser.
+
+try:  # re._parser is CPython's (3.11+); without it the heuristic is skipped and only the length cap applies
+    _SRE_PARSER: ModuleType | None = importlib.import_module("re._parser")
+except ImportError:  # pragma: no cover
+    _SRE_PARSER = None
+
+# An outer repeat of more than this many iterations counts as "unbounded" for the nesting check.
+_MAX_SAFE_OUTER_REPEAT = 8
+
+
+def _has_nested_unbounded_repeat(pattern: str) -> bool:
+    """True for `(a+)+`, `(\\w*\\s?)*`, `(x+y?){1,100}`: an unbounded backtracking repeat inside a repeat.
+
+    Possessive repeats (`a++`) and atomic groups (`(?>...)`) do not backtrack and are not counted.
+    Alternations with overlapping branches (`(a|aa)*`) and polynomial patterns (`.*a.*b.*c`) are not detected.
+    """
+    if _SRE_PARSER is None:  # pragma: no cover
+        return False
+    return _nested_repeat_in(_SRE_PARSER.parse(pattern), inside_repeat=False)
+
+
+def _nested_repeat_in(subpattern: Any, *, inside_repeat: bool) -> bool:
+    p = _SRE_PARSER
+    assert p is not None
+    for op, av in subpattern.data:
+        if op in (p.MAX_REPEAT, p.MIN_REPEAT):
+            _, high, body = av
+            unbounded = high == p.MAXREPEAT
+            if inside_repeat and unbounded:
+                return True
+            if _nested_repeat_in(
+                body, inside_repeat=inside_repeat or unbounded or high > _MAX_SAFE_OUTER_REPEAT
+            ):
+                return True
+        elif op in (p.POSSESSIVE_REPEAT, p.ATOMIC_GROUP):
+            if any(_nested_repeat_in(child, inside_repeat=False) for child in _subpatterns(av)):
+                return True
+        elif any(_nested_repeat_in(child, inside_repeat=inside_repeat) for child in _subpatterns(av)):
+            return True
+    return False
+
+
+def _subpatterns(av: Any) -> list[Any]:
+    assert _SRE_PARSER is not None
+    if isinstance(av, _SRE_PARSER.SubPattern):
+        return [av]
+    if isinstance(av, tuple | list):
+        return [child for element in av for child in _subpatterns(element)]
+    return []
+
+
+_REGEX_FLAGS: dict[str, re.RegexFlag] = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL}
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_pattern(pattern: str, flags: tuple[str, ...]) -> re.Pattern[str]:
+    combined = re.RegexFlag(0)
+    for flag in flags:
+        combined |= _REGEX_FLAGS[flag]
+    return re.compile(pattern, combined)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Grader models
+
+
+class _GraderBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str = Field(min_length=1)
+
+
+class StringCheckGrader(_GraderBase):
+    """1.0 when `operation` holds between rendered input and reference, else 0.0.
+
+    eq: input == reference; ne: input != reference; like: reference is a substring of input; ilike: the same
+    after lower-casing both. No whitespace is stripped.
+    """
+
+    type: Literal["string_check"]
+    input: Template
+    reference: Template
+    operation: Literal["eq", "ne", "like", "ilike"]
+
+
+class TextSimilarityGrader(_GraderBase):
+    """The `evaluation_metric` of rendered input and reference, in [0, 1]; only `fuzzy_match` (fuzzy_match()).
+
+    `pass_threshold` is accepted as OpenAI has it and does not change the score.
+    """
+
+    type: Literal["text_similarity"]
+    input: Template
+    reference: Template
+    evaluation_metric: str
+    pass_threshold: float | None = Field(default=None, allow_inf_nan=False)
+
+    @field_validator("evaluation_metric")
+    @classmethod
+    def _known_metric(cls, value: str) -> str:
+        if value not in _SIMILARITY_METRICS:
+            valid = ", ".join(_SIMILARITY_METRICS)
+            raise ValueError(f"unsupported evaluation_metric {value!r}; valid: {valid}")
+        return value
+
+
+class NumericMatchGrader(_GraderBase):
+    """1.0 when a, the last number of the rendered input, and b, the last number of the rendered reference,
+    satisfy |a − b| ≤ max(tolerance, relative_tolerance · |b|), else 0.0. An input with no number
+    scores 0.0; a reference with none scores 0.0 and adds an error flag. parse_last_number says what counts.
+    """
+
+    type: Literal["numeric_match"]
+    input: Template
+    reference: Template
+    tolerance: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    relative_tolerance: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+
+
+class RegexGrader(_GraderBase):
+    """1.0 when `re.search(pattern, rendered_input[:MAX_REGEX_INPUT_CHARS], flags)` matches, else 0.0.
+
+    `pattern` is a literal regular expression, not a template; flags: i IGNORECASE, m MULTILINE, s DOTALL.
+    Only the first MAX_REGEX_INPUT_CHARS characters are searched, and patterns that nest an unbounded repeat
+    inside another repeat (`(a+)+`) are rejected, to bound backtracking; use `a++` or `(?>...)` instead.
+    """
+
+    type: Literal["regex"]
+    input: Template
+    pattern: str
+    flags: list[Literal["i", "m", "s"]] = Field(default_factory=list)
+
+    @field_validator("pattern")
+    @classmethod
+    def _valid_pattern(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"invalid regular expression: {exc}") from exc
+        if _has_nested_unbounded_repeat(value):
+            raise ValueError(
+                "nested unbounded quantifiers (like '(a+)+') can backtrack for exponential time; "
+                "make the inner repeat possessive ('a++') or atomic ('(?>a+)')"
+            )
+        return value
+
+
+class LengthPenaltyGrader(_GraderBase):
+    """−max(0, len(rendered input) − max_chars) · penalty_per_char, clipped below at min_score.
+
+    Length counts characters (code points). penalty_per_char defaults to 1 / max_chars, so with the default
+    min_score of −1.0 the score falls linearly from 0 at max_chars to −1 at 2 · max_chars. None: no clip.
+    """
+
+    type: Literal["length_penalty"]
+    input: Template
+    max_chars: int = Field(ge=1)
+    penalty_per_char: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    min_score: float | None = Field(default=-1.0, le=0.0, allow_inf_nan=False)
+
+    @property
+    def effective_penalty_per_char(self) -> float:
+        return self.penalty_per_char if self.penalty_per_char is not None else 1.0 / self.max_chars
+
+
+class MultiGrader(_GraderBase):
+    """`calculate_output` evaluated over the scores of `graders`, each bound to its key.
+
+    The formula may use + - * / ** (or ^), unary ±, parentheses, numbers, abs ceil exp floor log max min sqrt.
+    A division by zero or another undefined/non-finite result scores 0.0 with an error flag.
+    """
+
+    type: Literal["multi"]
+    graders: dict[str, "Grader"]
+    calculate_output: str
+
+    @field_validator("graders")
+    @classmethod
+    def _valid_keys(cls, value: dict[str, "Grader"]) -> dict[str, "Grader"]:
+        if not value:
+            raise ValueError("at least one sub-grader is required")
+        for key in value:
+            if not key.isidentifier() or not key.isascii() or keyword.iskeyword(key):
+                raise ValueError(
+                    f"key {key!r} is not a valid formula variable (letters, digits, _; not a digit first)"
+                )
+            if key in FORMULA_FUNCTIONS:
+                raise ValueError(f"key {key!r} is the name of a formula function")
+        return value
+
+    @field_validator("calculate_output")
+    @classmethod
+    def _valid_formula(cls, value: str, info: ValidationInfo) -> str:
+        tree = _compile_formula(value)
+        graders = info.data.get("graders")
+        if graders is not None:  # else the graders failed validation and are reported on their own
+            for name in _formula_names(tree):
+                if name not in graders:
+                    raise ValueError(f"unknown name {name!r}; sub-grader keys: {', '.join(graders)}")
+        return value
+
+
+Grader = Annotated[
+    StringCheckGrader
+    | TextSimilarityGrader
+    | MultiGrader
+    | NumericMatchGrader
+    | RegexGrader
+    | LengthPenaltyGrader,
+    Field(discriminator="type"),
+]
+_LeafGrader = (
+    StringCheckGrader | TextSimilarityGrader | NumericMatchGrader | RegexGrader | LengthPenaltyGrader
+)
+
+MultiGrader.model_rebuild()
+_GRADER_ADAPTER: TypeAdapter[Grader] = TypeAdapter(Grader)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parsing
+
+
+def parse_grader(obj: dict[str, Any]) -> Grader:
+    """Validate a grader object (parsed JSON); GraderError names every offending field, `;`-separated."""
+    if not isinstance(obj, dict):
+        raise GraderError(f"grader: expected an object, got {type(obj).__name__}")
+    try:
+        return _GRADER_ADAPTER.validate_python(obj)
+    except ValidationError as exc:
+        raise GraderError("; ".join(_format_error(error) for error in exc.errors())) from exc
+
+
+def _error_path(loc: tuple[int | str, ...]) -> str:
+    """`grader.graders.acc.operation` from pydantic's loc, which interleaves union tags: (multi, graders,
+    acc, string_check, operation). A tag follows the root and each key of a multi's `graders` the loc enters.
+    """
+    parts = ["grader"]
+    tag: int | str | None = None
+    expect_tag = True
+    i = 0
+    while i < len(loc):
+        if expect_tag:
+            tag, expect_tag = loc[i], False
+            i += 1
+            continue
+        parts.append(str(loc[i]))
+        if tag == "multi" and loc[i] == "graders" and i + 1 < len(loc):
+            parts.append(str(loc[i + 1]))
+            expect_tag = True
+            i += 1
+        i += 1
+    return ".".join(parts)
+
+
+def _format_error(error: ErrorDetails) -> str:
+    path = _error_path(error["loc"])
+    ctx = error.get("ctx", {})
+    valid = ", ".join(GRADER_TYPES)
+    match error["type"]:
+        case "union_tag_invalid":
+            return f"{path}.type: unknown grader type {ctx.get('tag')!r}; valid types: {valid}"
+        case "union_tag_not_found":
+            return f"{path}.type: field required; valid types: {valid}"
+        case "extra_forbidden":
+            return f"{path}: unknown field {path.rsplit('.', 1)[-1]!r} is not permitted"
+        case "missing":
+            return f"{path}: field required"
+        case "value_error":
+            return f"{path}: {ctx.get('error', error['msg'])}"
+        case _:
+            return f"{path}: {error['msg']}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Grading
+
+
+def grade(grader: Grader, *, output_text: str, item: Mapping[str, Any]) -> GradeResult:
+    """Score one sample. sub_scores: {grader.name: score} for a single grader; for a multi, {key: score} of
+    each sub-grader, a nested multi adding its own key and its children as `key.child`."""
+    ctx = _Context(output_text=output_text, item=item, errors=[])
+    if isinstance(grader, MultiGrader):
+        score, sub_scores = _grade_multi(grader, ctx)
+    else:
+        score = _score_leaf(grader, ctx)
+        sub_scores = {grader.name: score}
+    return GradeResult(score=score, sub_scores=sub_scores, errors=tuple(dict.fromkeys(ctx.errors)))
+
+
+def _grade_multi(grader: MultiGrader, ctx: _Context) -> tuple[float, dict[str, float]]:
+    sub_scores: dict[str, float] = {}
+    values: dict[str, float] = {}
+    for key, child in grader.graders.items():
+        if isinstance(child, MultiGrader):
+            values[key], nested = _grade_multi(child, ctx)
+            sub_scores[key] = values[key]
+            sub_scores.update({f"{key}.{name}": score for name, score in nested.items()})
+        else:
+            values[key] = sub_scores[key] = _score_leaf(child, ctx)
+    try:
+        score = _evaluate(_compile_formula(grader.calculate_output), values)
+    except (ArithmeticError, ValueError) as exc:
+        ctx.errors.append(
+            f"grader {grader.name!r}: calculate_output {grader.calculate_output!r} failed ({exc}); scored 0.0"
+        )
+        score = 0.0
+    return score, sub_scores
+
+
+def _score_leaf(grader: _LeafGrader, ctx: _Context) -> float:
+    def render(template: str) -> str:
+        return _render(template, grader.name, ctx)
+
+    match grader:
+        case StringCheckGrader():
+            return float(_STRING_OPERATIONS[grader.operation](render(grader.input), render(grader.reference)))
+        case TextSimilarityGrader():
+            metric = _SIMILARITY_METRICS[grader.evaluation_metric]
+            return float(metric(render(grader.input), render(grader.reference)))
+        case NumericMatchGrader():
+            value, reference_text = parse_last_number(render(grader.input)), render(grader.reference)
+            reference = parse_last_number(reference_text)
+            if reference is None:
+                ctx.errors.append(
+                    f"grader {grader.name!r}: no number in the rendered reference {reference_text[:80]!r}"
+                )
+                return 0.0
+            if value is None:
+                return 0.0
+            matched = numbers_match(
+                value, reference, tolerance=grader.tolerance, relative_tolerance=grader.relative_tolerance
+            )
+            return float(matched)
+        case RegexGrader():
+            pattern = _compile_pattern(grader.pattern, tuple(grader.flags))
+            return float(pattern.search(render(grader.input)[:MAX_REGEX_INPUT_CHARS]) is not None)
+        case LengthPenaltyGrader():
+            return length_penalty(
+                len(render(grader.input)),
+                max_chars=grader.max_chars,
+                penalty_per_char=grader.effective_penalty_per_char,
+                min_score=grader.min_score,
+            )
+        case _:
+            assert_never(grader)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Introspection
+
+
+def _templates(grader: _LeafGrader) -> tuple[str, ...]:
+    match grader:
+        case StringCheckGrader() | TextSimilarityGrader() | NumericMatchGrader():
+            return (grader.input, grader.reference)
+        case RegexGrader() | LengthPenaltyGrader():
+            return (grader.input,)
+        case _:
+            assert_never(grader)
+
+
+def _leaves(grader: Grader) -> list[_LeafGrader]:
+    if isinstance(grader, MultiGrader):
+        return [leaf for child in grader.graders.values() for leaf in _leaves(child)]
+    return [grader]
+
+
+def _item_refs(grader: Grader) -> list[tuple[str, _Ref]]:
+    """(leaf grader name, reference) of every `{{item.*}}` reference, depth first, in field order."""
+    return [
+        (leaf.name, part)
+        for leaf in _leaves(grader)
+        for template in _templates(leaf)
+        for part in _parse_template(template)
+        if isinstance(part, _Ref) and part.namespace == "item"
+    ]
+
+
+def template_fields(grader: Grader) -> set[str]:
+    """Dotted `item` paths referenced by the grader's templates: `{{item.meta.answer}}` → 'meta.answer'."""
+    return {ref.dotted for _, ref in _item_refs(grader)}
+
+
+def check_item(grader: Grader, item: Mapping[str, Any]) -> str | None:
+    """None when each `{{item.*}}` of the grader is in `item`, else a message naming the first missing one."""
+    for name, ref in _item_refs(grader):
+        if not _lookup(item, ref.path)[0]:
+            return _missing_field_message(name, ref)
+    return None
+
+
+def grader_names(grader: Grader) -> list[str]:
+    """The keys `grade` puts in sub_scores, in the same order."""
+    if not isinstance(grader, MultiGrader):
+        return [grader.name]
+    names: list[str] = []
+    for key, child in grader.graders.items():
+        names.append(key)
+        if isinstance(child, MultiGrader):
+            names.extend(f"{key}.{name}" for name in grader_names(child))
+    return names
