@@ -45,7 +45,9 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield n, json.loads(raw)
             except json.JSONDecodeError as err:
-                raise DatasetError(f"not valid JSON ({err.msg} at column {err.colno})", line=n) from None
+                raise DatasetError(
+                    f"not valid JSON ({err.msg} at column {err.colno})", line=n, path=str(path)
+                ) from None
 
 
 def _messages(obj: Mapping[str, Any], key: str = "messages") -> list[dict[str, str]]:

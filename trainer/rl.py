@@ -355,6 +355,8 @@ class RLTrainer:
                 {"total_steps": self.total_steps, "precision": self.precision},
             )
         last_metrics: dict[str, float] = {}
+        if start == 0 and self.val_items and hp.eval_interval:
+            cb.on_metrics(0, self._validation_metrics())  # the base policy's point on the validation curve
         last_saved = start
         step = start
         for step in range(start + 1, self.total_steps + 1):
@@ -414,10 +416,7 @@ class RLTrainer:
         m[M.TOKENS_PER_S_GENERATION] = float(lengths.sum()) / max(batch.generation_s, 1e-9) if n else 0.0
 
         if self.val_items and ((hp.eval_interval and step % hp.eval_interval == 0) or step == self.total_steps):
-            res = self.validate()
-            m[M.VAL_REWARD_MEAN] = res.mean_reward
-            for name, v in res.sub_means.items():
-                m[M.reward_of(name, validation=True)] = v
+            m |= self._validation_metrics()
         m[M.STEP_SECONDS] = time.perf_counter() - t_step
         self.cb.on_metrics(step, m)
         if hp.rollouts_logged and n:
@@ -540,8 +539,9 @@ class RLTrainer:
             )
         return out
 
-    def validate(self) -> Any:
-        return evaluate(
+    def _validation_metrics(self) -> dict[str, float]:
+        """Greedy mean reward on the validation prompts (and per named sub-grader)."""
+        res = evaluate(
             self.model,
             self.tokenizer,
             self.val_ids,
@@ -550,6 +550,10 @@ class RLTrainer:
             max_new_tokens=self.hp.max_completion_tokens,
             precision=self.precision,
         )
+        out = {M.VAL_REWARD_MEAN: res.mean_reward}
+        for name, v in res.sub_means.items():
+            out[M.reward_of(name, validation=True)] = v
+        return out
 
 
 def _mean(x: torch.Tensor) -> float:

@@ -1,0 +1,57 @@
+"""Shared fixtures: small models the project builds itself (no model hub is reachable)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+# Built models are cached between local runs (the folder is git-ignored); CI builds them once per run.
+MODEL_CACHE = Path(os.environ.get("PROXIMA_TEST_MODELS", REPO / ".cache" / "models"))
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised 2-layer Llama with the tiny-arith tokenizer: fast plumbing tests, no learning."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.tiny_arith import build_tokenizer
+
+    out = tmp_path_factory.mktemp("random-llama")
+    tok = build_tokenizer()
+    tok.save_pretrained(out)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainer.tiny_arith import write_arithmetic_datasets
+
+    out = tmp_path_factory.mktemp("arith-data")
+    write_arithmetic_datasets(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_arith_dir() -> Path:
+    """The real tiny-arith base model (built once, about three minutes on 2 cores, then cached)."""
+    from trainer.tiny_arith import build_tiny_arith
+
+    return build_tiny_arith(MODEL_CACHE / "tiny-arith")

@@ -1,0 +1,288 @@
+"""The online RL loop end to end on a small random model: metrics, checkpoints, resume, cancel, adapters, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainer import metrics as M
+from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
+from trainer.checkpoint import list_checkpoints
+from trainer.config import SpecError, parse_spec
+from trainer.data import DatasetError
+from trainer.rl import RLTrainer, train
+
+SIM = {
+    "type": "text_similarity",
+    "name": "sim",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "evaluation_metric": "fuzzy_match",
+}
+
+
+def make_spec(model: Path, data: Path, method: str = "grpo", **hp: Any) -> dict[str, Any]:
+    hyper = {
+        "max_steps": 4,
+        "batch_size": 4,
+        "group_size": 4,
+        "max_completion_tokens": 6,
+        "checkpoint_interval": 2,
+        "eval_interval": 2,
+        "eval_samples": 8,
+        "precision": "fp32",
+        "learning_rate": 1e-2,
+        **hp,
+    }
+    return {
+        "model": str(model),
+        "training_file": str(data / "train.jsonl"),
+        "validation_file": str(data / "validation.jsonl"),
+        "seed": 3,
+        "method": {"type": method, method: {"grader": SIM, "hyperparameters": hyper}},
+    }
+
+
+def read_metrics(run: Path) -> list[dict[str, float]]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in r.items() if k not in M.TIMING_METRICS} for r in rows]
+
+
+class StopAfter(BaseCallback):
+    def __init__(self, step: int) -> None:
+        self.step, self.seen = step, 0
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.seen = step
+
+    def should_stop(self) -> bool:
+        return self.seen >= self.step
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "dapo", "rloo", "reinforce"])
+def test_every_method_records_the_metric_vocabulary_and_a_loadable_adapter(
+    method: str, random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    spec = parse_spec(make_spec(random_model_dir, arithmetic_data, method, max_steps=2))
+    res = train(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: validation of the base policy
+    last = rows[-1]
+    for key in (
+        M.REWARD_MEAN,
+        M.REWARD_STD,
+        M.ADVANTAGE_MEAN,
+        M.ENTROPY_MEAN,
+        M.CLIP_FRAC_LOW,
+        M.CLIP_FRAC_HIGH,
+        M.APPROX_KL,
+        M.LOSS_POLICY,
+        M.GRAD_NORM,
+        M.COMPLETION_LEN_MEAN,
+        M.COMPLETION_LEN_MAX,
+        M.TRUNCATED_FRAC,
+        M.TOKENS_PER_S_GENERATION,
+        M.TOKENS_PER_S_TRAINING,
+        M.STEP_SECONDS,
+        M.LEARNING_RATE,
+        M.VAL_REWARD_MEAN,
+        M.reward_of("sim"),
+    ):
+        assert key in last, key
+    assert last[M.reward_of("sim")] == pytest.approx(last[M.REWARD_MEAN])
+    assert 1 <= last[M.COMPLETION_LEN_MEAN] <= last[M.COMPLETION_LEN_MAX] <= 6
+    assert 0.0 <= last[M.TRUNCATED_FRAC] <= 1.0
+    assert last[M.ENTROPY_MEAN] > 0
+    if method in ("grpo", "rloo"):  # β > 0 by default
+        assert M.KL_MEAN in last
+    if method == "dapo":
+        assert last[M.GROUPS_DROPPED] >= 0 and last[M.SAMPLING_BATCHES] >= 1
+    assert res.adapter_dir is not None and (res.adapter_dir / "adapter_config.json").is_file()
+    rollouts = [json.loads(ln) for ln in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in rollouts} == {1, 2}
+    assert set(rollouts[0]) >= {"prompt", "completion", "reward", "rewards", "advantage"}
+
+
+def test_first_iteration_ratio_is_one_and_nothing_is_clipped(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=1, beta=0.0))
+    train(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    last = read_metrics(tmp_path)[-1]
+    assert last[M.APPROX_KL] == 0.0 and last[M.CLIP_FRAC_LOW] == 0.0 and last[M.CLIP_FRAC_HIGH] == 0.0
+
+
+def test_micro_batches_give_the_same_update_as_the_full_batch(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """Gradient accumulation normalised by the mini-batch totals is the full-batch loss exactly (token_mean)."""
+    params, results = [], []
+    for micro in (None, 3):
+        spec = parse_spec(
+            make_spec(
+                random_model_dir,
+                arithmetic_data,
+                "dapo",
+                max_steps=1,
+                micro_batch_size=micro,
+                dynamic_sampling=False,
+                eval_interval=0,
+            )
+        )
+        t = RLTrainer(spec, output_dir=tmp_path / str(micro), callback=BaseCallback())
+        results.append(t.run().final_metrics)
+        # One step of one mini-batch: .grad still holds that mini-batch's accumulated gradient.
+        params.append({n: p.grad.clone() for n, p in t.model.named_parameters() if p.requires_grad})
+    assert results[0][M.LOSS_POLICY] != 0.0
+    assert results[1][M.LOSS_POLICY] == pytest.approx(results[0][M.LOSS_POLICY], rel=1e-5)
+    assert results[1][M.GRAD_NORM] == pytest.approx(results[0][M.GRAD_NORM], rel=1e-5)
+    for name, g in params[0].items():
+        torch.testing.assert_close(params[1][name], g, rtol=1e-4, atol=1e-8)
+
+
+def test_stopped_and_resumed_run_matches_an_uninterrupted_run_step_by_step(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    raw = make_spec(random_model_dir, arithmetic_data, max_steps=4, iterations_per_batch=2, mini_batches=2)
+    full = tmp_path / "full"
+    train(parse_spec(raw), output_dir=full, callback=JsonlFiles(full))
+
+    part = tmp_path / "part"
+    first = train(parse_spec(raw), output_dir=part, callback=Callbacks(JsonlFiles(part), StopAfter(3)))
+    assert first.stopped and first.last_step == 3
+    assert [c.step for c in list_checkpoints(part)] == [2, 3]  # the stop wrote a final checkpoint
+    second = train(parse_spec(raw), output_dir=part, callback=JsonlFiles(part, resume_step=3), resume=True)
+    assert not second.stopped and second.last_step == 4
+
+    assert deterministic(read_metrics(part)) == deterministic(read_metrics(full))
+    a = torch.load(full / "checkpoints/step-000004/trainer_state.pt", weights_only=False)["trainable"]
+    b = torch.load(part / "checkpoints/step-000004/trainer_state.pt", weights_only=False)["trainable"]
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_saved_adapter_reloaded_with_peft_reproduces_the_policy_logprobs(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.rollout import completion_logprobs, generate, left_pad
+
+    spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=2))
+    t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
+    res = t.run()
+    ids, mask = left_pad(t.train_ids[:6], t.tokenizer.pad_token_id)
+    ro = generate(
+        t.model,
+        ids,
+        mask,
+        max_new_tokens=6,
+        eos_id=t.tokenizer.eos_token_id,
+        pad_id=t.tokenizer.pad_token_id,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    with torch.no_grad():
+        trained, _ = completion_logprobs(t.model, ro, temperature=1.0, precision="fp32")
+        base = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).eval()
+        with_base, _ = completion_logprobs(base, ro, temperature=1.0, precision="fp32")
+        reloaded = PeftModel.from_pretrained(base, str(res.adapter_dir)).eval()
+        again, _ = completion_logprobs(reloaded, ro, temperature=1.0, precision="fp32")
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(again[m], trained[m], rtol=0, atol=1e-5)
+    assert (with_base[m] - trained[m]).abs().max() > 1e-3  # the adapter really changed the policy
+
+
+def test_cancel_between_steps_stops_after_a_final_checkpoint(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=10, checkpoint_interval=5))
+    res = train(spec, output_dir=tmp_path, callback=Callbacks(JsonlFiles(tmp_path), StopAfter(1)))
+    assert res.stopped and res.last_step == 1 and res.adapter_dir is None
+    assert [c.step for c in list_checkpoints(tmp_path)] == [1]
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_bad_dataset_line_is_reported_before_the_model_is_loaded(arithmetic_data: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{not json}\n')
+    raw = make_spec(tmp_path / "no-such-model", arithmetic_data)
+    raw["training_file"] = str(bad)
+    with pytest.raises(DatasetError, match=r"bad.jsonl:2: not valid JSON"):
+        RLTrainer(parse_spec(raw), output_dir=tmp_path / "run", callback=BaseCallback())
+
+    bad.write_text('{"prompt": "What is 1 + 1?"}\n')  # the grader needs {{item.answer}}
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: .*answer"):
+        RLTrainer(parse_spec(raw), output_dir=tmp_path / "run", callback=BaseCallback())
+
+    bad.write_text('{"messages": []}\n')
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: 'messages' must be a non-empty list"):
+        RLTrainer(parse_spec(raw), output_dir=tmp_path / "run", callback=BaseCallback())
+
+
+def test_completion_longer_than_the_context_is_refused(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    raw = make_spec(random_model_dir, arithmetic_data, max_completion_tokens=60)  # context is 64 tokens
+    with pytest.raises(SpecError) as err:
+        RLTrainer(parse_spec(raw), output_dir=tmp_path, callback=BaseCallback())
+    assert err.value.param == "method.grpo.hyperparameters.max_completion_tokens"
+
+
+def _proxima(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer.cli", *args], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def test_cli_train_killed_with_sigkill_resumes_to_the_same_metrics(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    raw = make_spec(random_model_dir, arithmetic_data, max_steps=6, checkpoint_interval=1, eval_interval=0)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(raw))
+    env = {**os.environ, "PROXIMA_HOME": str(tmp_path / "home")}
+
+    ref = _proxima("train", str(spec_file), "--output", str(tmp_path / "ref"), env=env)
+    assert ref.wait(timeout=300) == 0, ref.stderr.read() if ref.stderr else ""
+
+    run = tmp_path / "killed"
+    proc = _proxima("train", str(spec_file), "--output", str(run), env=env)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step-000003").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run / "adapter").exists()
+
+    again = _proxima("train", str(spec_file), "--output", str(run), "--resume", env=env)
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert deterministic(read_metrics(run)) == deterministic(read_metrics(tmp_path / "ref"))
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_cli_refuses_an_unknown_hyperparameter_naming_it(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    raw = make_spec(random_model_dir, arithmetic_data, learning_rat=1e-3)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(raw))
+    proc = _proxima("train", str(spec_file), "--output", str(tmp_path / "run"), env=dict(os.environ))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "method.grpo.hyperparameters.learning_rat: unknown field" in err

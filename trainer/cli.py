@@ -1,0 +1,295 @@
+"""``proxima``: the command line (design §7). Training commands run the trainer locally, without the service."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from trainer import graders
+from trainer import metrics as M
+from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
+from trainer.config import JobSpec, SpecError, load_spec
+from trainer.data import DatasetError, load_prompts
+from trainer.models import ModelError
+
+app = typer.Typer(
+    help="Proxima: reinforcement-learning fine-tuning of language models with LoRA.", no_args_is_help=True
+)
+models_app = typer.Typer(help="Base models this machine offers.", no_args_is_help=True)
+datasets_app = typer.Typer(help="Built-in datasets.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+app.add_typer(datasets_app, name="datasets")
+
+console = Console(stderr=True)
+USER_ERRORS = (SpecError, DatasetError, ModelError, graders.GraderError)
+
+
+def proxima_home() -> Path:
+    return Path(os.environ.get("PROXIMA_HOME", Path.home() / ".proxima")).expanduser()
+
+
+def model_store() -> Path:
+    return proxima_home() / "models"
+
+
+def resolve_model(name: str) -> str:
+    """A name in the model store → its folder; anything else (a local path or a hub id) is passed through."""
+    from trainer import tiny_arith
+
+    local = model_store() / name
+    if (local / "config.json").is_file():
+        return str(local)
+    if name == tiny_arith.MODEL_NAME:
+        raise ModelError(f"model {name!r} is not built yet: run `proxima models build {name}`")
+    return name
+
+
+def _fail(err: Exception) -> None:
+    console.print(f"[red]error:[/red] {err}")
+    raise typer.Exit(2)
+
+
+class ProgressBar(BaseCallback):
+    """A rich progress bar with step, reward and KL."""
+
+    def __init__(self, progress: Progress, total: int, start: int = 0) -> None:
+        self.progress = progress
+        self.task = progress.add_task("training", total=total, completed=start, info="")
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        info = f"reward {metrics.get(M.REWARD_MEAN, 0.0):.3f}"
+        if M.KL_MEAN in metrics:
+            info += f"  kl {metrics[M.KL_MEAN]:.4f}"
+        if M.VAL_REWARD_MEAN in metrics:
+            info += f"  val {metrics[M.VAL_REWARD_MEAN]:.3f}"
+        self.progress.update(self.task, completed=step, info=info)
+
+    def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
+        if level != "info":
+            self.progress.console.print(f"[yellow]{level}:[/yellow] {message}")
+
+
+def run_training(spec: JobSpec, output: Path, *, resume: bool = False, quiet: bool = False) -> Any:
+    """Run a spec locally with files under ``output`` and a progress bar; returns the trainer's RunResult."""
+    from trainer import checkpoint
+    from trainer.rl import RLTrainer
+
+    spec = spec.model_copy(update={"model": resolve_model(spec.model)})
+    latest = checkpoint.latest_checkpoint(output) if resume else None
+    files = JsonlFiles(output, resume_step=latest.step if latest else None)
+    if not resume and output.exists() and checkpoint.list_checkpoints(output):
+        raise SpecError(f"{output} already holds checkpoints: pass --resume to continue, or choose a new --output")
+    trainer = RLTrainer(spec, output_dir=output, callback=files)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "spec.json").write_text(json.dumps(spec.to_json(), indent=2))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+    )
+    with Progress(*columns, console=console, disable=quiet) as progress:
+        trainer.cb = Callbacks(files, ProgressBar(progress, trainer.total_steps, latest.step if latest else 0))
+        return trainer.run(resume=resume)
+
+
+@app.command()
+def train(
+    spec_file: Annotated[Path, typer.Argument(help="job spec (YAML or JSON) with local paths for the files")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="run folder")],
+    resume: Annotated[bool, typer.Option(help="continue from the latest checkpoint in --output")] = False,
+) -> None:
+    """Run a job spec locally: writes metrics.jsonl, rollouts.jsonl, checkpoints/ and the final adapter/."""
+    try:
+        result = run_training(load_spec(spec_file), output, resume=resume)
+    except USER_ERRORS as err:
+        _fail(err)
+    if result.stopped:
+        console.print(f"stopped at step {result.last_step}; continue with --resume")
+    else:
+        console.print(f"adapter: {result.adapter_dir}")
+
+
+@app.command("eval")
+def eval_cmd(
+    model: Annotated[str, typer.Option(help="base model: a name in the model store, a local path or a hub id")],
+    data: Annotated[Path, typer.Option(help="RL prompt dataset (JSONL)")],
+    grader: Annotated[Path, typer.Option(help="grader object (JSON file)")],
+    adapter: Annotated[Path | None, typer.Option(help="LoRA adapter folder")] = None,
+    temperature: Annotated[float, typer.Option(help="0 is greedy")] = 0.0,
+    max_tokens: Annotated[int, typer.Option(help="max new tokens per completion")] = 64,
+    limit: Annotated[int | None, typer.Option(help="evaluate only the first N prompts")] = None,
+    batch_size: Annotated[int, typer.Option()] = 64,
+    seed: Annotated[int, typer.Option()] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Mean reward of a model (and adapter) on a dataset."""
+    import torch
+
+    from trainer.evaluate import evaluate
+    from trainer.models import default_device, load_adapter, load_base_model, load_tokenizer, resolve_precision
+    from trainer.rollout import PromptTooLongError, encode_prompts
+
+    try:
+        g = graders.parse_grader(_read_json(grader))
+        items = load_prompts(data, grader=g)[:limit]
+        path = resolve_model(model)
+        tok = load_tokenizer(path)
+        try:
+            prompts = encode_prompts(tok, items, max_prompt_tokens=1_000_000)
+        except PromptTooLongError as err:  # pragma: no cover - limit is effectively unbounded
+            raise DatasetError(str(err), line=err.item.line) from None
+        device = default_device()
+        net: torch.nn.Module = load_base_model(path, device)
+        if adapter is not None:
+            net = load_adapter(net, adapter)  # type: ignore[arg-type]
+        res = evaluate(
+            net,
+            tok,
+            prompts,
+            items,
+            g,
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            precision=resolve_precision("auto", device),
+            batch_size=batch_size,
+            generator=torch.Generator(device).manual_seed(seed),
+        )
+    except USER_ERRORS as err:
+        _fail(err)
+    if as_json:
+        print(json.dumps(res.as_json()))
+    else:
+        console.print(f"mean reward {res.mean_reward:.4f} over {res.n} prompts")
+        for k, v in res.sub_means.items():
+            console.print(f"  {k}: {v:.4f}")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecError(f"{path}: {err}") from None
+
+
+@models_app.command("build")
+def models_build(
+    name: Annotated[str, typer.Argument(help="the built-in model to build: tiny-arith")],
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Build a built-in base model into the model store (a no-op when it is there); prints its folder last."""
+    from trainer import tiny_arith
+
+    if name != tiny_arith.MODEL_NAME:
+        _fail(ModelError(f"unknown built-in model {name!r}; valid: {tiny_arith.MODEL_NAME}"))
+    out = model_store() / name
+    if tiny_arith.is_complete_build(out):
+        print(out)
+        return
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        console=console,
+    ) as progress:
+        tasks: dict[str, Any] = {}
+
+        def report(stage: str, step: int, total: int, loss: float) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(stage, total=total, loss=loss)
+            progress.update(tasks[stage], completed=step, loss=loss)
+
+        tiny_arith.build_tiny_arith(out, seed=seed, progress=report)
+    info = json.loads((out / tiny_arith.BUILD_INFO_FILE).read_text())
+    console.print(f"validation greedy accuracy {info['validation']['greedy_accuracy_after_carry_drop']:.3f}")
+    print(out)
+
+
+@datasets_app.command("arithmetic")
+def datasets_arithmetic(
+    out: Annotated[Path, typer.Argument(help="folder to write train/validation/preferences JSONL into")],
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Write the tiny-arith task's datasets: train.jsonl, validation.jsonl, preferences.jsonl."""
+    from trainer import tiny_arith
+
+    for path in tiny_arith.write_arithmetic_datasets(out, seed=seed).values():
+        print(path)
+
+
+@app.command()
+def demo(
+    workdir: Annotated[Path, typer.Option(help="where the demo writes its data and run")] = Path("runs/demo"),
+    steps: Annotated[int, typer.Option(help="training steps")] = 40,
+) -> None:
+    """The README's main job, locally: build tiny-arith, write the dataset, train GRPO, compare accuracy."""
+    from trainer import tiny_arith
+    from trainer.config import parse_spec
+
+    models_build(tiny_arith.MODEL_NAME, seed=0)
+    data_dir = workdir / "data"
+    tiny_arith.write_arithmetic_datasets(data_dir)
+    grader = {
+        "type": "string_check",
+        "name": "accuracy",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.answer}}",
+        "operation": "eq",
+    }
+    spec = parse_spec(
+        {
+            "model": tiny_arith.MODEL_NAME,
+            "training_file": str(data_dir / "train.jsonl"),
+            "validation_file": str(data_dir / "validation.jsonl"),
+            "seed": 0,
+            "method": {
+                "type": "grpo",
+                "grpo": {
+                    "grader": grader,
+                    "hyperparameters": {
+                        "max_steps": steps,
+                        "batch_size": 8,
+                        "group_size": 8,
+                        "learning_rate": 3e-4,
+                        "beta": 0.04,
+                        "max_completion_tokens": 8,
+                        "eval_interval": 10,
+                        "checkpoint_interval": 10,
+                    },
+                },
+            },
+        }
+    )
+    run_dir = workdir / "run"
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    console.print(f"training GRPO on {tiny_arith.MODEL_NAME} for {steps} steps → {run_dir}")
+    result = run_training(spec, run_dir)
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    base = json.loads((model_store() / tiny_arith.MODEL_NAME / tiny_arith.BUILD_INFO_FILE).read_text())
+    base_acc = base["validation"]["greedy_accuracy_after_carry_drop"]
+    final_acc = result.final_metrics[M.VAL_REWARD_MEAN]
+    console.print(
+        f"validation greedy accuracy: base {base_acc:.3f} → trained {final_acc:.3f} "
+        f"({len(rows)} steps, adapter at {result.adapter_dir})"
+    )
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
