@@ -1,0 +1,64 @@
+"""Learning on tiny-arith: every online RL method lifts held-out greedy accuracy within 40 steps.
+
+Slow (tens of seconds per method, plus the one-off tiny-arith build) but run in CI: this is the test that the
+math, taken together, climbs a real reward. 200 validation problems give a standard error of about 0.035 on an
+accuracy, so a lift of 0.15 is far outside noise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer import metrics as M
+from trainer.callbacks import JsonlFiles
+from trainer.config import parse_spec
+from trainer.rl import train
+
+ACCURACY = {
+    "type": "string_check",
+    "name": "accuracy",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "operation": "eq",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "dapo", "rloo", "reinforce"])
+def test_method_raises_heldout_greedy_accuracy_by_at_least_015_in_40_steps(
+    method: str, tiny_arith_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    spec = parse_spec(
+        {
+            "model": str(tiny_arith_dir),
+            "training_file": str(arithmetic_data / "train.jsonl"),
+            "validation_file": str(arithmetic_data / "validation.jsonl"),
+            "seed": 0,
+            "method": {
+                "type": method,
+                method: {
+                    "grader": ACCURACY,
+                    "hyperparameters": {
+                        "max_steps": 40,
+                        "batch_size": 8,
+                        "group_size": 8,
+                        "learning_rate": 3e-4,
+                        "max_completion_tokens": 6,
+                        "eval_interval": 40,
+                        "checkpoint_interval": 40,
+                        "rollouts_logged": 0,
+                    },
+                    "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
+                },
+            },
+        }
+    )
+    result = train(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    base, final = rows[0][M.VAL_REWARD_MEAN], result.final_metrics[M.VAL_REWARD_MEAN]
+    print(f"{method}: validation greedy accuracy {base:.3f} → {final:.3f}")
+    assert rows[0]["step"] == 0 and len(rows) == 41
+    assert final - base >= 0.15, f"{method}: {base:.3f} → {final:.3f}"
