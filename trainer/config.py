@@ -96,12 +96,6 @@ class RLHyperparameters(_Strict):
             ("batch_size", "learning_rate_multiplier", "n_epochs", "eval_interval", "eval_samples", "beta"),
         )
 
-    @model_validator(mode="after")
-    def _lengths(self) -> RLHyperparameters:
-        if self.min_completion_tokens > self.max_completion_tokens:
-            raise ValueError("min_completion_tokens must not exceed max_completion_tokens")
-        return self
-
     @property
     def effective_learning_rate(self) -> float:
         return self.learning_rate * self.learning_rate_multiplier
@@ -156,12 +150,6 @@ class ReinforceHyperparameters(RLHyperparameters):
         "seq_mean_token_sum_norm"
     )
     baseline: Literal["none", "batch_mean"] = "batch_mean"
-
-    @model_validator(mode="after")
-    def _on_policy(self) -> ReinforceHyperparameters:
-        if self.iterations_per_batch != 1 or self.mini_batches != 1:
-            raise ValueError("reinforce is on-policy: iterations_per_batch and mini_batches must be 1")
-        return self
 
 
 HYPERPARAMETERS: dict[str, type[RLHyperparameters]] = {
@@ -284,6 +272,12 @@ def _check_method(method: str, hp: RLHyperparameters, where: str) -> None:
             f"{method} compares samples within a group: group_size must be at least 2",
             param=f"{where}.group_size",
         )
+    if hp.min_completion_tokens > hp.max_completion_tokens:
+        raise SpecError("must not exceed max_completion_tokens", param=f"{where}.min_completion_tokens")
+    if isinstance(hp, ReinforceHyperparameters):
+        for name in ("iterations_per_batch", "mini_batches"):
+            if getattr(hp, name) != 1:
+                raise SpecError("reinforce is on-policy: must be 1", param=f"{where}.{name}")
     rollout = hp.batch_size * hp.group_size
     if rollout % hp.mini_batches:
         raise SpecError(

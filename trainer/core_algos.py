@@ -100,7 +100,8 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     """H = logsumexp(z) − Σ softmax(z)·z per position, fp32. logits [..., V] → [...]."""
     logits = logits.float()
     p = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+    # A −inf logit is a zero-probability token: 0·(−inf) would be NaN, so it is left out of the sum.
+    return torch.logsumexp(logits, dim=-1) - torch.where(p > 0, p * logits, 0.0).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,8 +120,9 @@ def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k2")
 def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k2 = ½ (log π − log π_ref)² per token [B, T]; ≥ 0, its gradient is the reverse-KL gradient."""
-    return 0.5 * (logp - ref_logp) ** 2
+    """k2 = ½ (log π − log π_ref)² per token [B, T]; ≥ 0, its gradient is the reverse-KL gradient (log-ratio clamped
+    to ±20 as for k3)."""
+    return 0.5 * (logp - ref_logp).clamp(-20.0, 20.0) ** 2
 
 
 @KL_ESTIMATORS.register("k3")

@@ -125,14 +125,14 @@ def _sample_next(logits: Tensor, *, temperature: float, top_p: float, generator:
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix whose mass reaches top_p
+        outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_p = sorted_p.masked_fill(outside, 0.0)
         choice = torch.multinomial(sorted_p, 1, generator=generator).squeeze(-1)
         return order.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the rollout's tensors must be usable in autograd afterwards
 def generate(
     model: torch.nn.Module,
     prompt_ids: Tensor,
