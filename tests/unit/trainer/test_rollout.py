@@ -1,0 +1,427 @@
+"""trainer.rollout on a tiny random Llama: greedy decoding against full forward passes done by hand, EOS and padding
+handling, seeded sampling, and batched log-probs against each sequence alone (rl-algorithms.md §5, items 1–5)."""
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from trainer.core_algos import entropy_from_logits
+from trainer.rollout import Rollout, _sample_next, completion_logprobs, generate, left_pad, position_ids
+
+VOCAB = 32
+PAD = 0
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # peaked next-token distributions: greedy choices are not near-ties
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> GPT2LMHeadModel:
+    """Absolute position embeddings: wrong position ids under left padding change its outputs (RoPE hides them)."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=2,
+        initializer_range=0.2,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def any_model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    return request.getfixturevalue("model" if request.param == "llama" else "gpt2")
+
+
+class EosAt(torch.nn.Module):
+    """The model with its EOS logit forced: −1e4 while a row has fewer than ``at`` real tokens (attention-mask sum,
+    prompt included), +1e4 from then on. So EOS is never chosen early and always chosen (greedy) at a known step."""
+
+    def __init__(self, inner: torch.nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.at = at
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> Any:
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        n_real = attention_mask.sum(-1, keepdim=True)  # [N, 1]
+        logits = out.logits.clone()
+        logits[..., EOS] = torch.where(n_real >= self.at, 1e4, -1e4).to(logits.dtype)
+        out.logits = logits
+        return out
+
+
+def greedy_by_hand(model: torch.nn.Module, prompt: list[int], steps: int, *, ban_eos: bool = False) -> list[int]:
+    """Argmax decoding with a full forward pass per step (no KV cache, no padding); stops after EOS."""
+    seq = list(prompt)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.tensor([seq])
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, -1]
+            if ban_eos:
+                logits[EOS] = float("-inf")
+            tok = int(logits.argmax())
+            out.append(tok)
+            seq.append(tok)
+            if tok == EOS:
+                break
+    return out
+
+
+def greedy(model: torch.nn.Module, prompts: list[list[int]], steps: int, **kw: Any) -> Rollout:
+    ids, mask = left_pad(prompts, PAD)
+    return generate(
+        model, ids, mask, max_new_tokens=steps, eos_id=EOS, pad_id=kw.pop("pad_id", PAD), temperature=0.0, **kw
+    )
+
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# left_pad, position_ids
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_left_pad_by_hand() -> None:
+    ids, mask = left_pad([[5, 6], [7], [8, 9, 10], []], pad_id=3)
+    assert ids.tolist() == [[3, 5, 6], [3, 3, 7], [8, 9, 10], [3, 3, 3]]
+    assert mask.tolist() == [[0, 1, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
+def test_position_ids_ignore_left_padding() -> None:
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0]])
+    assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 1, 1, 1]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_generation_equals_argmax_decoding_by_hand(model: LlamaForCausalLM) -> None:
+    no_eos = EosAt(model, at=10**6)
+    ro = greedy(no_eos, [PROMPTS[1]], 6)
+    assert ro.completion_ids[0].tolist() == greedy_by_hand(no_eos, PROMPTS[1], 6)
+    assert ro.lengths.tolist() == [6]
+    assert ro.truncated.tolist() == [True]
+    assert ro.completion_mask.tolist() == [[1] * 6]
+    again = greedy(no_eos, [PROMPTS[1]], 6)
+    assert torch.equal(again.completion_ids, ro.completion_ids)
+
+
+def test_left_padded_batch_gives_each_prompt_its_own_greedy_tokens(any_model: torch.nn.Module) -> None:
+    no_eos = EosAt(any_model, at=10**6)
+    batch = greedy(no_eos, PROMPTS, 6)
+    assert batch.prompt_ids.shape == (3, 5)
+    for i, prompt in enumerate(PROMPTS):
+        alone = greedy(no_eos, [prompt], 6)
+        assert batch.completion_ids[i].tolist() == alone.completion_ids[0].tolist()
+        assert batch.completion_ids[i].tolist() == greedy_by_hand(no_eos, prompt, 6)
+    # the rows really differ: the test would see a row decoded from another row's context
+    assert len({tuple(r) for r in batch.completion_ids.tolist()}) == 3
+
+
+@pytest.mark.parametrize("pad_id", [PAD, EOS])
+def test_eos_ends_a_row_and_only_pad_follows(model: LlamaForCausalLM, pad_id: int) -> None:
+    stop = EosAt(model, at=7)  # 5-token prompt: EOS is the 3rd new token; 3-token prompt: the 5th
+    ro = greedy(stop, [PROMPTS[1], PROMPTS[0]], 8, pad_id=pad_id)
+    assert ro.lengths.tolist() == [3, 5]
+    assert ro.truncated.tolist() == [False, False]
+    assert ro.completion_ids.shape == (2, 5)  # trimmed to the longest completion
+    first = greedy_by_hand(stop, PROMPTS[1], 8)
+    second = greedy_by_hand(stop, PROMPTS[0], 8)
+    assert first[-1] == EOS and len(first) == 3
+    assert second[-1] == EOS and len(second) == 5
+    assert ro.completion_ids.tolist() == [[*first, pad_id, pad_id], second]
+    assert EOS not in first[:-1] and EOS not in second[:-1]
+    # the mask comes from the lengths: up to and including the first EOS, even where pad == EOS
+    assert ro.completion_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_row_without_eos_is_truncated(model: LlamaForCausalLM) -> None:
+    stop = EosAt(model, at=7)
+    ro = greedy(stop, [PROMPTS[1], PROMPTS[0]], 4)
+    assert ro.lengths.tolist() == [3, 4]
+    assert ro.truncated.tolist() == [False, True]
+    assert ro.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert ro.completion_ids[0, 2].item() == EOS
+    assert ro.completion_ids[0, 3].item() == PAD
+    assert EOS not in ro.completion_ids[1].tolist()
+
+
+def test_eos_on_the_last_allowed_step_is_not_truncated(model: LlamaForCausalLM) -> None:
+    ro = greedy(EosAt(model, at=7), [PROMPTS[1]], 3)  # EOS is the 3rd new token, the last one allowed
+    assert ro.lengths.tolist() == [3]
+    assert ro.truncated.tolist() == [False]
+    assert ro.completion_ids[0, -1].item() == EOS
+
+
+def test_min_new_tokens_holds_eos_off(model: LlamaForCausalLM) -> None:
+    always_eos = EosAt(model, at=0)
+    assert greedy(always_eos, PROMPTS, 8).completion_ids.tolist() == [[EOS]] * 3
+    ro = greedy(always_eos, PROMPTS, 8, min_new_tokens=3)
+    assert ro.lengths.tolist() == [4, 4, 4]
+    assert ro.truncated.tolist() == [False] * 3
+    for i, prompt in enumerate(PROMPTS):
+        held = greedy_by_hand(always_eos, prompt, 3, ban_eos=True)
+        assert ro.completion_ids[i].tolist() == [*held, EOS]
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator(model: LlamaForCausalLM) -> None:
+    ids, mask = left_pad(PROMPTS * 4, PAD)
+
+    def sample(seed: int) -> Rollout:
+        return generate(
+            model,
+            ids,
+            mask,
+            max_new_tokens=6,
+            eos_id=EOS,
+            pad_id=PAD,
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    a, b, c = sample(11), sample(11), sample(12)
+    for x, y in zip(a.tensors(), b.tensors(), strict=True):
+        assert torch.equal(x, y)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_generated_rollout_can_be_scored_with_gradients(model: LlamaForCausalLM) -> None:
+    ro = greedy(EosAt(model, at=7), [PROMPTS[1], PROMPTS[0]], 6)
+    logp, _ = completion_logprobs(model, ro, temperature=1.0, precision="fp32")
+    (logp * ro.completion_mask).sum().backward()
+    assert any(p.grad is not None for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+
+
+def test_generated_rollout_can_be_edited_in_place(model: LlamaForCausalLM) -> None:
+    ro = greedy(EosAt(model, at=7), [PROMPTS[1], PROMPTS[0]], 4)
+    ro.completion_mask[ro.truncated] = 0
+    assert ro.completion_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+
+
+def first_token_probs(model: torch.nn.Module, prompt: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    return torch.softmax(logits / temperature, -1)
+
+
+def sample_first_tokens(model: torch.nn.Module, prompt: list[int], n: int, **kw: Any) -> torch.Tensor:
+    ids = torch.tensor([prompt] * n)
+    ro = generate(
+        model,
+        ids,
+        torch.ones_like(ids),
+        max_new_tokens=1,
+        eos_id=EOS,
+        pad_id=PAD,
+        generator=torch.Generator().manual_seed(0),
+        **kw,
+    )
+    return torch.bincount(ro.completion_ids[:, 0], minlength=VOCAB).float() / n
+
+
+def test_sampling_follows_softmax_of_logits_over_temperature(model: LlamaForCausalLM) -> None:
+    n = 2000
+    probs = first_token_probs(model, PROMPTS[0], 0.7)
+    freq = sample_first_tokens(model, PROMPTS[0], n, temperature=0.7)
+    tol = 5 * (probs * (1 - probs) / n).sqrt() + 1e-3
+    assert ((freq - probs).abs() <= tol).all()
+    # and not the T = 1 distribution
+    assert (freq - first_token_probs(model, PROMPTS[0], 1.0)).abs().max() > 0.1
+
+
+def test_top_p_samples_only_from_the_nucleus(model: LlamaForCausalLM) -> None:
+    probs = first_token_probs(model, PROMPTS[0], 1.0)
+    sorted_p, order = probs.sort(descending=True)
+    top_p = float(sorted_p[:2].sum() - 0.5 * sorted_p[1])  # strictly between the top-1 and top-2 mass
+    nucleus = order[:2]  # the smallest prefix whose mass reaches top_p
+    freq = sample_first_tokens(model, PROMPTS[0], 1000, temperature=1.0, top_p=top_p)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[nucleus] = False
+    assert freq[outside].sum().item() == 0.0
+    renormalised = sorted_p[:2] / sorted_p[:2].sum()
+    assert freq[nucleus].tolist() == pytest.approx(renormalised.tolist(), abs=0.05)
+
+
+def test_top_p_nucleus_is_the_smallest_prefix_reaching_top_p() -> None:
+    logits = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25)]])  # softmax exactly [0.5, 0.25, 0.25]
+    g = torch.Generator().manual_seed(0)
+    picks = {int(_sample_next(logits, temperature=1.0, top_p=0.5, generator=g)) for _ in range(200)}
+    assert picks == {0}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# completion_logprobs
+# ---------------------------------------------------------------------------------------------------------------
+
+COMPLETIONS = [[20, 21, EOS], [22], [23, 24, 25, 26]]
+
+
+def make_rollout(prompts: list[list[int]], completions: list[list[int]], *, width: int | None = None) -> Rollout:
+    prompt_ids, prompt_mask = left_pad(prompts, PAD)
+    c = width or max(len(x) for x in completions)
+    completion_ids = torch.full((len(completions), c), PAD, dtype=torch.long)
+    for i, comp in enumerate(completions):
+        completion_ids[i, : len(comp)] = torch.tensor(comp)
+    lengths = torch.tensor([len(x) for x in completions])
+    completion_mask = (torch.arange(c).unsqueeze(0) < lengths.unsqueeze(-1)).long()
+    truncated = torch.tensor([x[-1] != EOS for x in completions])
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths, truncated)
+
+
+def logps_by_hand(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """One unpadded forward pass; the logits at position t score the token at t + 1."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0]
+    logp = torch.log_softmax(logits / temperature, -1)
+    p = len(prompt)
+    return [float(logp[p - 1 + j, tok]) for j, tok in enumerate(completion)]
+
+
+def valid(logp: torch.Tensor, lengths: list[int]) -> list[float]:
+    """The log-probs of the valid tokens, row after row, flattened."""
+    return [x for i, n in enumerate(lengths) for x in logp[i, :n].tolist()]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_batched_logprobs_equal_each_sequence_alone_and_by_hand(any_model: torch.nn.Module, temperature: float) -> None:
+    model = any_model
+    batch = make_rollout(PROMPTS, COMPLETIONS)
+    with torch.no_grad():
+        logp, entropy = completion_logprobs(model, batch, temperature=temperature, precision="fp32")
+    assert entropy is None
+    assert logp.shape == (3, 4) and logp.dtype == torch.float32
+    for i, (prompt, comp) in enumerate(zip(PROMPTS, COMPLETIONS, strict=True)):
+        with torch.no_grad():
+            alone, _ = completion_logprobs(
+                model, make_rollout([prompt], [comp]), temperature=temperature, precision="fp32"
+            )
+        expected = logps_by_hand(model, prompt, comp, temperature)
+        assert alone[0].tolist() == pytest.approx(expected, abs=1e-5)
+        assert logp[i, : len(comp)].tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_temperature_changes_the_logprobs(model: LlamaForCausalLM) -> None:
+    batch = make_rollout(PROMPTS, COMPLETIONS)
+    with torch.no_grad():
+        t1, _ = completion_logprobs(model, batch, temperature=1.0, precision="fp32")
+        t07, _ = completion_logprobs(model, batch, temperature=0.7, precision="fp32")
+    lengths = [len(c) for c in COMPLETIONS]
+    diffs = [abs(a - b) for a, b in zip(valid(t1, lengths), valid(t07, lengths), strict=True)]
+    assert min(diffs) > 1e-3
+
+
+def test_pad_values_and_extra_padding_do_not_change_valid_logprobs(any_model: torch.nn.Module) -> None:
+    model = any_model
+    lengths = [len(c) for c in COMPLETIONS]
+    batch = make_rollout(PROMPTS, COMPLETIONS)
+    with torch.no_grad():
+        base, _ = completion_logprobs(model, batch, temperature=1.0, precision="fp32")
+
+    g = torch.Generator().manual_seed(0)
+    scrambled = make_rollout(PROMPTS, COMPLETIONS, width=7)
+    pad_left = torch.full((3, 2), PAD)
+    scrambled.prompt_ids = torch.cat([pad_left, scrambled.prompt_ids], dim=1)
+    scrambled.prompt_mask = torch.cat([torch.zeros_like(pad_left), scrambled.prompt_mask], dim=1)
+    noise_p = torch.randint(2, VOCAB, scrambled.prompt_ids.shape, generator=g)
+    noise_c = torch.randint(2, VOCAB, scrambled.completion_ids.shape, generator=g)
+    scrambled.prompt_ids = torch.where(scrambled.prompt_mask.bool(), scrambled.prompt_ids, noise_p)
+    scrambled.completion_ids = torch.where(scrambled.completion_mask.bool(), scrambled.completion_ids, noise_c)
+    assert not torch.equal(scrambled.prompt_ids[:, 2:], batch.prompt_ids)
+    with torch.no_grad():
+        other, _ = completion_logprobs(model, scrambled, temperature=1.0, precision="fp32")
+    assert other.shape == (3, 7)
+    assert valid(other, lengths) == pytest.approx(valid(base, lengths), abs=1e-5)
+
+
+def test_entropy_is_that_of_the_temperature_scaled_distribution(model: LlamaForCausalLM) -> None:
+    batch = make_rollout([PROMPTS[1]], [COMPLETIONS[2]])
+    _, entropy = completion_logprobs(model, batch, temperature=0.5, precision="fp32", with_entropy=True)
+    assert entropy is not None and not entropy.requires_grad
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPTS[1] + COMPLETIONS[2]])).logits[0]
+    p = len(PROMPTS[1])
+    expected = entropy_from_logits(logits[p - 1 : p - 1 + 4] / 0.5)
+    torch.testing.assert_close(entropy[0], expected, atol=1e-5, rtol=0)
+
+
+def test_logprobs_are_differentiable_under_grad(model: LlamaForCausalLM) -> None:
+    batch = make_rollout(PROMPTS, COMPLETIONS)
+    model.zero_grad()
+    logp, _ = completion_logprobs(model, batch, temperature=1.0, precision="fp32")
+    assert logp.requires_grad
+    (logp * batch.completion_mask).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().max() > 0 for g in grads)
+    model.zero_grad(set_to_none=True)
+
+
+def test_bf16_logprobs_are_fp32_and_close(model: LlamaForCausalLM) -> None:
+    batch = make_rollout(PROMPTS, COMPLETIONS)
+    with torch.no_grad():
+        fp32, _ = completion_logprobs(model, batch, temperature=1.0, precision="fp32")
+        bf16, _ = completion_logprobs(model, batch, temperature=1.0, precision="bf16")
+    assert bf16.dtype == torch.float32
+    mask = batch.completion_mask.bool()
+    assert (bf16 - fp32)[mask].abs().max() < 0.1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollout.concat / select
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_concat_repads_prompts_left_and_completions_right(model: LlamaForCausalLM) -> None:
+    first = make_rollout([PROMPTS[0]], [COMPLETIONS[1]])  # P = 3, C = 1
+    second = make_rollout(PROMPTS[1:], [COMPLETIONS[2], COMPLETIONS[0]])  # P = 5, C = 4
+    both = Rollout.concat([first, second], pad_id=PAD)
+    assert both.prompt_ids.tolist() == [[PAD, PAD, 5, 6, 7], [8, 9, 10, 11, 12], [PAD] * 4 + [13]]
+    assert both.prompt_mask.tolist() == [[0, 0, 1, 1, 1], [1] * 5, [0, 0, 0, 0, 1]]
+    assert both.completion_ids.tolist() == [[22, PAD, PAD, PAD], [23, 24, 25, 26], [20, 21, EOS, PAD]]
+    assert both.completion_mask.tolist() == [[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]]
+    assert both.lengths.tolist() == [1, 4, 3]
+    assert both.truncated.tolist() == [True, True, False]
+    assert len(both) == 3
+
+    with torch.no_grad():
+        joined, _ = completion_logprobs(model, both, temperature=1.0, precision="fp32")
+        a, _ = completion_logprobs(model, first, temperature=1.0, precision="fp32")
+        b, _ = completion_logprobs(model, second, temperature=1.0, precision="fp32")
+    assert valid(joined, [1, 4, 3]) == pytest.approx(valid(a, [1]) + valid(b, [4, 3]), abs=1e-5)
+
+    picked = both.select(torch.tensor([2, 0]))
+    assert picked.lengths.tolist() == [3, 1]
+    assert picked.prompt_ids.tolist() == [[PAD] * 4 + [13], [PAD, PAD, 5, 6, 7]]
