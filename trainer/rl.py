@@ -8,6 +8,7 @@ method's parts; the math lives in ``trainer.core_algos``.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import shutil
@@ -47,6 +48,7 @@ from trainer.core_algos import (
 from trainer.data import DatasetError, PromptItem, PromptSampler, load_prompts
 from trainer.evaluate import decode_completions, evaluate, grade_batch
 from trainer.models import (
+    MergedSampler,
     Precision,
     add_lora,
     default_device,
@@ -144,7 +146,19 @@ class RLTrainer:
         self.device = device or default_device()
         self.precision: Precision = resolve_precision(hp.precision, self.device)
         seed_everything(spec.seed)
-        self.model = add_lora(load_base_model(spec.model, self.device), spec.method.lora, seed=spec.seed)
+        base = load_base_model(spec.model, self.device)
+        # bf16: sample from a merged bf16 copy (half the weights' memory again, about half the generation time);
+        # fp32: the copy would double the weights for a small gain, so the policy samples itself.
+        base_copy = copy.deepcopy(base) if self.precision == "bf16" else None
+        self.model = add_lora(base, spec.method.lora, seed=spec.seed)
+        self.merged = (
+            MergedSampler(base_copy, self.model, torch.bfloat16)
+            if base_copy is not None and MergedSampler.supported(self.model)
+            else None
+        )
+        if self.precision == "bf16" and self.device.type == "cpu":
+            # The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md); decoding keeps SDPA.
+            self.model.get_base_model().set_attn_implementation("eager")
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -192,6 +206,8 @@ class RLTrainer:
         with torch.no_grad():
             for n, t in state["trainable"].items():
                 named[n].copy_(t)
+        if self.merged is not None:
+            self.merged.stale = True
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
@@ -210,6 +226,12 @@ class RLTrainer:
         self.cb.on_checkpoint(step, c.path, metrics)
         return c
 
+    def _sampling_model(self) -> tuple[torch.nn.Module, Precision]:
+        """The model to sample from and the autocast to run it under (the merged copy is already bf16)."""
+        if self.merged is not None:
+            return self.merged.sync(), "fp32"
+        return self.model, self.precision
+
     # -- rollout -----------------------------------------------------------------------------------------------
 
     def _sample_groups(self) -> tuple[Rollout, list[PromptItem], float]:
@@ -219,8 +241,9 @@ class RLTrainer:
         items = [self.train_items[i] for i in idx for _ in range(hp.group_size)]
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         t0 = time.perf_counter()
+        sampling_model, precision = self._sampling_model()
         ro = generate(
-            self.model,
+            sampling_model,
             ids.to(self.device),
             mask.to(self.device),
             max_new_tokens=hp.max_completion_tokens,
@@ -230,7 +253,7 @@ class RLTrainer:
             top_p=hp.top_p,
             min_new_tokens=hp.min_completion_tokens,
             generator=self.generator,
-            precision=self.precision,
+            precision=precision,
         )
         return ro, items, time.perf_counter() - t0
 
@@ -498,6 +521,8 @@ class RLTrainer:
                 sums["grad"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
                 sums["opt_steps"] += 1
                 self.optimizer.step()
+                if self.merged is not None:
+                    self.merged.stale = True
         train_s = time.perf_counter() - t0
         steps = max(sums["opt_steps"], 1.0)
         tok = max(sums["tok"], 1.0)
@@ -541,14 +566,15 @@ class RLTrainer:
 
     def _validation_metrics(self) -> dict[str, float]:
         """Greedy mean reward on the validation prompts (and per named sub-grader)."""
+        sampling_model, precision = self._sampling_model()
         res = evaluate(
-            self.model,
+            sampling_model,
             self.tokenizer,
             self.val_ids,
             self.val_items,
             self.grader,
             max_new_tokens=self.hp.max_completion_tokens,
-            precision=self.precision,
+            precision=precision,
         )
         out = {M.VAL_REWARD_MEAN: res.mean_reward}
         for name, v in res.sub_means.items():

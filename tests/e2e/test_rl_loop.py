@@ -286,3 +286,21 @@ def test_cli_refuses_an_unknown_hyperparameter_naming_it(
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert "method.grpo.hyperparameters.learning_rat: unknown field" in err
+
+
+def test_bf16_run_samples_from_the_merged_copy_and_trains(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=2, precision="bf16"))
+    t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    assert t.precision == "bf16" and t.merged is not None
+    res = t.run()
+    last = read_metrics(tmp_path)[-1]
+    assert all(v == v for v in last.values())  # no NaN
+    assert last[M.GRAD_NORM] > 0 and res.adapter_dir is not None
+    # The sampler holds exactly the current policy's merged weights after a sync.
+    sampler = t.merged.sync()
+    for target, lora in t.merged.pairs:
+        expected = (lora.base_layer.weight + lora.get_delta_weight("default")).to(torch.bfloat16)
+        assert torch.equal(target.weight, expected)
+    assert sampler is t.merged.model
