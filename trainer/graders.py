@@ -136,12 +136,7 @@ def _lookup(item: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
     for segment in path:
         if isinstance(current, Mapping) and segment in current:
             current = current[segment]
-        elif (
-            isinstance(current, list)
-            and segment.isascii()
-            and segment.isdigit()
-            and int(segment) < len(current)
-        ):
+        elif isinstance(current, list) and segment.isascii() and segment.isdigit() and int(segment) < len(current):
             current = current[int(segment)]
         else:
             return False, None
@@ -232,9 +227,7 @@ def numbers_match(value: float, reference: float, *, tolerance: float, relative_
     return abs(value - reference) <= max(tolerance, relative_tolerance * abs(reference))
 
 
-def length_penalty(
-    n_chars: int, *, max_chars: int, penalty_per_char: float, min_score: float | None
-) -> float:
+def length_penalty(n_chars: int, *, max_chars: int, penalty_per_char: float, min_score: float | None) -> float:
     """−max(0, n_chars − max_chars) · penalty_per_char, clipped below at min_score (None: unclipped)."""
     excess = n_chars - max_chars
     if excess <= 0:
@@ -310,9 +303,7 @@ def _check_formula_node(node: ast.expr, *, depth: int) -> None:
     elif isinstance(node, ast.Call):
         allowed = ", ".join(FORMULA_FUNCTIONS)
         if not isinstance(node.func, ast.Name):
-            raise ValueError(
-                f"call of {ast.unparse(node.func)!r} is not allowed; allowed functions: {allowed}"
-            )
+            raise ValueError(f"call of {ast.unparse(node.func)!r} is not allowed; allowed functions: {allowed}")
         name = node.func.id
         if name not in _UNARY_FUNCTIONS and name not in _VARIADIC_FUNCTIONS:
             raise ValueError(f"function {name!r} is not allowed; allowed functions: {allowed}")
@@ -358,9 +349,7 @@ def _evaluate(node: ast.expr, values: Mapping[str, float]) -> float:
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
         args = [_evaluate(arg, values) for arg in node.args]
         name = node.func.id
-        result = float(
-            _UNARY_FUNCTIONS[name](args[0]) if name in _UNARY_FUNCTIONS else _VARIADIC_FUNCTIONS[name](args)
-        )
+        result = float(_UNARY_FUNCTIONS[name](args[0]) if name in _UNARY_FUNCTIONS else _VARIADIC_FUNCTIONS[name](args))
     else:  # unreachable for a formula that passed _check_formula_node
         raise ValueError(f"unexpected {type(node).__name__}")
     if not math.isfinite(result):
@@ -400,9 +389,7 @@ def _nested_repeat_in(subpattern: Any, *, inside_repeat: bool) -> bool:
             unbounded = high == p.MAXREPEAT
             if inside_repeat and unbounded:
                 return True
-            if _nested_repeat_in(
-                body, inside_repeat=inside_repeat or unbounded or high > _MAX_SAFE_OUTER_REPEAT
-            ):
+            if _nested_repeat_in(body, inside_repeat=inside_repeat or unbounded or high > _MAX_SAFE_OUTER_REPEAT):
                 return True
         elif op in (p.POSSESSIVE_REPEAT, p.ATOMIC_GROUP):
             if any(_nested_repeat_in(child, inside_repeat=False) for child in _subpatterns(av)):
@@ -553,9 +540,7 @@ class MultiGrader(_GraderBase):
             raise ValueError("at least one sub-grader is required")
         for key in value:
             if not key.isidentifier() or not key.isascii() or keyword.iskeyword(key):
-                raise ValueError(
-                    f"key {key!r} is not a valid formula variable (letters, digits, _; not a digit first)"
-                )
+                raise ValueError(f"key {key!r} is not a valid formula variable (letters, digits, _; not a digit first)")
             if key in FORMULA_FUNCTIONS:
                 raise ValueError(f"key {key!r} is the name of a formula function")
         return value
@@ -573,17 +558,10 @@ class MultiGrader(_GraderBase):
 
 
 Grader = Annotated[
-    StringCheckGrader
-    | TextSimilarityGrader
-    | MultiGrader
-    | NumericMatchGrader
-    | RegexGrader
-    | LengthPenaltyGrader,
+    StringCheckGrader | TextSimilarityGrader | MultiGrader | NumericMatchGrader | RegexGrader | LengthPenaltyGrader,
     Field(discriminator="type"),
 ]
-_LeafGrader = (
-    StringCheckGrader | TextSimilarityGrader | NumericMatchGrader | RegexGrader | LengthPenaltyGrader
-)
+_LeafGrader = StringCheckGrader | TextSimilarityGrader | NumericMatchGrader | RegexGrader | LengthPenaltyGrader
 
 MultiGrader.model_rebuild()
 _GRADER_ADAPTER: TypeAdapter[Grader] = TypeAdapter(Grader)

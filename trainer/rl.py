@@ -501,12 +501,12 @@ class RLTrainer:
                         if kl_in_loss:
                             kl_loss = hp.beta * self.aggregate(kl_tok, pmask, scale)
                             loss = loss + kl_loss
-                            sums["kl_loss"] += float(kl_loss)
+                            sums["kl_loss"] += float(kl_loss.detach())
                         if it == 0:
                             sums["kl"] += float(masked_sum(kl_tok.detach(), pmask))
                             sums["kl_tok"] += float(pmask.sum())
                     loss.backward()
-                    sums["pg"] += float(pg_loss)
+                    sums["pg"] += float(pg_loss.detach())
                     tok = float(pmask.sum())
                     sums["tok"] += tok
                     sums["low"] += float(out.clipped_low.sum())
