@@ -8,8 +8,7 @@ positions (§4.2). Log-probs divide the logits by the sampling temperature (§4.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -234,13 +233,3 @@ def micro_slices(n: int, size: int | None) -> list[slice]:
     """Consecutive slices of at most ``size`` rows covering 0..n (one slice when size is None)."""
     size = size or n
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
-
-
-@contextlib.contextmanager
-def eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)

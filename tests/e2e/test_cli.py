@@ -1,0 +1,92 @@
+"""The `proxima` command line: datasets, eval, and clear errors (train and resume are in test_rl_loop.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def proxima(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PROXIMA_HOME": str(home)}
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *args], env=env, text=True, capture_output=True, timeout=300
+    )
+
+
+def test_datasets_arithmetic_writes_the_three_files(tmp_path: Path) -> None:
+    out = proxima("datasets", "arithmetic", str(tmp_path / "d"), home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    names = sorted(Path(p).name for p in out.stdout.split())
+    assert {"train.jsonl", "validation.jsonl", "preferences.jsonl"} <= set(names)
+    first = json.loads((tmp_path / "d" / "validation.jsonl").read_text().splitlines()[0])
+    assert first["messages"][0]["role"] == "user" and first["answer"].isdigit()
+
+
+def test_eval_json_reports_mean_reward_and_n(random_model_dir: Path, arithmetic_data: Path, tmp_path: Path) -> None:
+    grader = tmp_path / "grader.json"
+    grader.write_text(
+        json.dumps({"type": "regex", "name": "anything", "input": "{{sample.output_text}}", "pattern": ".*"})
+    )
+    out = proxima(
+        "eval",
+        "--model",
+        str(random_model_dir),
+        "--data",
+        str(arithmetic_data / "validation.jsonl"),
+        "--grader",
+        str(grader),
+        "--limit",
+        "5",
+        "--max-tokens",
+        "3",
+        "--json",
+        home=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["n"] == 5 and res["mean_reward"] == 1.0 and res["sub_rewards"] == {"anything": 1.0}
+
+
+def test_eval_names_the_bad_grader_field(random_model_dir: Path, arithmetic_data: Path, tmp_path: Path) -> None:
+    grader = tmp_path / "grader.json"
+    grader.write_text(
+        json.dumps(
+            {
+                "type": "string_check",
+                "name": "g",
+                "input": "{{sample.output_text}}",
+                "reference": "{{item.answer}}",
+                "operation": "equals",
+            }
+        )
+    )
+    out = proxima(
+        "eval",
+        "--model",
+        str(random_model_dir),
+        "--data",
+        str(arithmetic_data / "validation.jsonl"),
+        "--grader",
+        str(grader),
+        home=tmp_path,
+    )
+    assert out.returncode == 2 and "operation" in out.stderr
+
+
+def test_unbuilt_tiny_arith_tells_how_to_build_it(arithmetic_data: Path, tmp_path: Path) -> None:
+    grader = tmp_path / "grader.json"
+    grader.write_text(json.dumps({"type": "regex", "name": "g", "input": "{{sample.output_text}}", "pattern": "x"}))
+    out = proxima(
+        "eval",
+        "--model",
+        "tiny-arith",
+        "--data",
+        str(arithmetic_data / "validation.jsonl"),
+        "--grader",
+        str(grader),
+        home=tmp_path / "empty-home",
+    )
+    assert out.returncode == 2 and "proxima models build tiny-arith" in out.stderr
