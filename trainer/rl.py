@@ -56,6 +56,7 @@ from trainer.models import (
     load_tokenizer,
     reference_policy,
     resolve_precision,
+    store_frozen_linears_in,
     trainable_parameters,
 )
 from trainer.recipes import RECIPES, Recipe
@@ -150,6 +151,8 @@ class RLTrainer:
         # bf16: sample from a merged bf16 copy (half the weights' memory again, about half the generation time);
         # fp32: the copy would double the weights for a small gain, so the policy samples itself.
         base_copy = copy.deepcopy(base) if self.precision == "bf16" else None
+        if self.precision == "bf16":
+            store_frozen_linears_in(base, torch.bfloat16)
         self.model = add_lora(base, spec.method.lora, seed=spec.seed)
         self.merged = (
             MergedSampler(base_copy, self.model, torch.bfloat16)

@@ -28,9 +28,7 @@ from trainer.graders import (
 OUTPUT = "{{sample.output_text}}"
 
 
-def string_check(
-    name: str = "acc", *, reference: str = "{{item.answer}}", operation: str = "eq"
-) -> dict[str, Any]:
+def string_check(name: str = "acc", *, reference: str = "{{item.answer}}", operation: str = "eq") -> dict[str, Any]:
     return {
         "type": "string_check",
         "name": name,
@@ -111,10 +109,7 @@ class TestParse:
         assert parse_error([1, 2]) == "grader: expected an object, got list"
 
     def test_extra_key_is_rejected_with_its_name(self) -> None:
-        assert (
-            parse_error({**string_check(), "weight": 2})
-            == "grader.weight: unknown field 'weight' is not permitted"
-        )
+        assert parse_error({**string_check(), "weight": 2}) == "grader.weight: unknown field 'weight' is not permitted"
 
     def test_missing_field_is_named(self) -> None:
         obj = string_check()
@@ -123,9 +118,7 @@ class TestParse:
 
     def test_bad_operation_inside_multi_names_the_path(self) -> None:
         obj = multi("acc", {"acc": string_check(operation="contains")})
-        assert (
-            parse_error(obj) == "grader.graders.acc.operation: Input should be 'eq', 'ne', 'like' or 'ilike'"
-        )
+        assert parse_error(obj) == "grader.graders.acc.operation: Input should be 'eq', 'ne', 'like' or 'ilike'"
 
     def test_extra_key_inside_nested_multi_names_the_path(self) -> None:
         inner = multi("x", {"x": {**regex("x"), "bogus": True}}, name="inner")
@@ -152,9 +145,7 @@ class TestParse:
         assert grader.tolerance == 1.0
 
     def test_empty_name_is_rejected(self) -> None:
-        assert parse_error(string_check(name="")).startswith(
-            "grader.name: String should have at least 1 character"
-        )
+        assert parse_error(string_check(name="")).startswith("grader.name: String should have at least 1 character")
 
 
 class TestTemplates:
@@ -202,26 +193,21 @@ class TestTemplates:
 
     def test_other_sample_fields_are_rejected(self) -> None:
         assert parse_error(string_check(reference="{{sample.output_json}}")) == (
-            "grader.reference: unsupported sample field in {{sample.output_json}}; "
-            "supported: {{sample.output_text}}"
+            "grader.reference: unsupported sample field in {{sample.output_json}}; supported: {{sample.output_text}}"
         )
 
     def test_item_without_a_field_is_rejected(self) -> None:
         assert parse_error(string_check(reference="{{item}}")).startswith(
             "grader.reference: invalid reference {{item}}"
         )
-        assert parse_error(string_check(reference="{{item..a}}")).startswith(
-            "grader.reference: invalid reference"
-        )
+        assert parse_error(string_check(reference="{{item..a}}")).startswith("grader.reference: invalid reference")
 
     def test_missing_item_field_renders_empty_and_flags_an_error(self) -> None:
         result = grade(parse_grader(string_check(operation="ne")), output_text="x", item={"other": 1})
         assert result == GradeResult(
             score=1.0,
             sub_scores={"acc": 1.0},
-            errors=(
-                "grader 'acc' references {{item.answer}} but the item has no field 'answer'; rendered as ''",
-            ),
+            errors=("grader 'acc' references {{item.answer}} but the item has no field 'answer'; rendered as ''",),
         )
 
     def test_repeated_missing_field_is_flagged_once(self) -> None:
@@ -231,9 +217,7 @@ class TestTemplates:
         assert len(result.errors) == 1
 
     def test_template_fields_collects_item_paths_recursively(self) -> None:
-        inner = multi(
-            "n", {"n": {**numeric(), "reference": "{{item.meta.value}} {{item.meta.unit}}"}}, name="inner"
-        )
+        inner = multi("n", {"n": {**numeric(), "reference": "{{item.meta.value}} {{item.meta.unit}}"}}, name="inner")
         grader = parse_grader(multi("acc + inner", {"acc": string_check(), "inner": inner}))
         assert template_fields(grader) == {"answer", "meta.value", "meta.unit"}
 
@@ -252,9 +236,7 @@ class TestCheckItem:
         )
 
     def test_missing_nested_field_names_the_sub_grader(self) -> None:
-        obj = multi(
-            "acc + fmt", {"acc": regex("fmt_check"), "fmt": string_check("exact", reference="{{item.m.a}}")}
-        )
+        obj = multi("acc + fmt", {"acc": regex("fmt_check"), "fmt": string_check("exact", reference="{{item.m.a}}")})
         assert check_item(parse_grader(obj), {"m": {"b": 1}}) == (
             "grader 'exact' references {{item.m.a}} but the item has no field 'm.a'"
         )
@@ -385,10 +367,7 @@ class TestNumericMatch:
         assert result.errors == ("grader 'num': no number in the rendered reference 'three'",)
 
     def test_negative_tolerance_is_rejected(self) -> None:
-        assert (
-            parse_error(numeric(tolerance=-1))
-            == "grader.tolerance: Input should be greater than or equal to 0"
-        )
+        assert parse_error(numeric(tolerance=-1)) == "grader.tolerance: Input should be greater than or equal to 0"
 
 
 class TestRegex:
@@ -423,9 +402,7 @@ class TestRegex:
     def test_nested_unbounded_quantifiers_are_rejected(self, pattern: str) -> None:
         assert parse_error(regex(pattern=pattern)).startswith("grader.pattern: nested unbounded quantifiers")
 
-    @pytest.mark.parametrize(
-        "pattern", [r"(?>a+)+$", r"(a++)+$", r"\d+(,\d{3})*", r"(?:foo|bar)+", r"(ab+){2}"]
-    )
+    @pytest.mark.parametrize("pattern", [r"(?>a+)+$", r"(a++)+$", r"\d+(,\d{3})*", r"(?:foo|bar)+", r"(ab+){2}"])
     def test_safe_repeats_are_accepted(self, pattern: str) -> None:
         assert parse_grader(regex(pattern=pattern)).type == "regex"
 
@@ -440,9 +417,7 @@ class TestLengthPenalty:
     @pytest.mark.parametrize(
         ("n_chars", "expected"), [(0, 0.0), (4, 0.0), (5, -0.25), (6, -0.5), (8, -1.0), (20, -1.0)]
     )
-    def test_default_penalty_is_one_over_max_chars_clipped_at_minus_one(
-        self, n_chars: int, expected: float
-    ) -> None:
+    def test_default_penalty_is_one_over_max_chars_clipped_at_minus_one(self, n_chars: int, expected: float) -> None:
         assert score(length(max_chars=4), "x" * n_chars) == expected
 
     def test_custom_penalty_without_clip(self) -> None:
@@ -460,9 +435,7 @@ class TestLengthPenalty:
         assert score(obj, "ab", {"suffix": "cdef"}) == -0.5
 
     def test_invalid_settings_are_rejected(self) -> None:
-        assert (
-            parse_error(length(max_chars=0)) == "grader.max_chars: Input should be greater than or equal to 1"
-        )
+        assert parse_error(length(max_chars=0)) == "grader.max_chars: Input should be greater than or equal to 1"
         assert parse_error(length(max_chars=4, min_score=0.5)) == (
             "grader.min_score: Input should be less than or equal to 0"
         )
@@ -485,9 +458,7 @@ class TestMulti:
 
     def test_functions(self) -> None:
         # acc = 1, fmt = 0: 1 + 0·2 − 1 + 1 + 1 + 2 + 1 + 0 = 5
-        formula = (
-            "max(acc, fmt) + min(acc, fmt) * 2 - abs(-1) + floor(1.5) + ceil(0.2) + sqrt(4) + exp(0) + log(1)"
-        )
+        formula = "max(acc, fmt) + min(acc, fmt) * 2 - abs(-1) + floor(1.5) + ceil(0.2) + sqrt(4) + exp(0) + log(1)"
         assert score(multi(formula), "x", {"answer": "x"}) == 5.0
 
     def test_variadic_min_max(self) -> None:
@@ -522,8 +493,7 @@ class TestMulti:
         result = grade(parse_grader(multi("1e308 * 10 * acc")), output_text="x", item={"answer": "x"})
         assert result.score == 0.0
         assert result.errors == (
-            "grader 'total': calculate_output '1e308 * 10 * acc' failed "
-            "(1e+308 * 10 is not finite); scored 0.0",
+            "grader 'total': calculate_output '1e308 * 10 * acc' failed (1e+308 * 10 is not finite); scored 0.0",
         )
 
     def test_nested_multi_flattens_sub_scores_with_dotted_keys(self) -> None:
@@ -547,8 +517,7 @@ class TestMulti:
         [
             (
                 "__import__('os')",
-                "function '__import__' is not allowed; "
-                "allowed functions: abs, ceil, exp, floor, log, max, min, sqrt",
+                "function '__import__' is not allowed; allowed functions: abs, ceil, exp, floor, log, max, min, sqrt",
             ),
             ("acc.real", "attribute access 'acc.real' is not allowed"),
             ("acc.__class__.__bases__", "attribute access 'acc.__class__.__bases__' is not allowed"),
@@ -578,10 +547,7 @@ class TestMulti:
 
     def test_too_long_formula_is_rejected(self) -> None:
         formula = "+".join(["acc"] * (MAX_FORMULA_CHARS // 4 + 1))
-        assert (
-            parse_error(multi(formula))
-            == f"grader.calculate_output: longer than {MAX_FORMULA_CHARS} characters"
-        )
+        assert parse_error(multi(formula)) == f"grader.calculate_output: longer than {MAX_FORMULA_CHARS} characters"
 
     def test_too_deep_formula_is_rejected(self) -> None:
         assert parse_error(multi("-" * 40 + "acc")) == "grader.calculate_output: nested deeper than 32 levels"

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from trainer.config import LoraSpec
-from trainer.models import MergedSampler, add_lora, load_base_model, reference_policy, resolve_precision
+from trainer.models import (
+    MergedSampler,
+    add_lora,
+    load_base_model,
+    reference_policy,
+    resolve_precision,
+    store_frozen_linears_in,
+)
 
 
 @pytest.fixture()
@@ -74,3 +81,15 @@ def test_bf16_merged_sampler_stays_close_to_the_autocast_policy(policy_and_copy)
 def test_precision_auto_resolves_to_a_supported_mode() -> None:
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
     assert resolve_precision("auto", torch.device("cpu")) in ("fp32", "bf16")
+
+
+def test_frozen_linears_in_bf16_give_the_same_autocast_logits_and_fp32_lora(random_model_dir: Path) -> None:
+    a = load_base_model(str(random_model_dir), torch.device("cpu"))
+    b = copy.deepcopy(a)
+    n = store_frozen_linears_in(b, torch.bfloat16)
+    assert n == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the untied lm_head
+    assert b.get_input_embeddings().weight.dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(a(IDS).logits, b(IDS).logits)
+    policy = add_lora(b, LoraSpec(r=4, alpha=8), seed=0)
+    assert all(p.dtype == torch.float32 for p in policy.parameters() if p.requires_grad)
