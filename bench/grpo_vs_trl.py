@@ -1,0 +1,597 @@
+"""Side-by-side GRPO benchmark: this trainer against TRL's ``GRPOTrainer`` (issue 2, "Benchmark").
+
+The same run on both sides: LoRA r=16 (all-linear, alpha 32, dropout 0), 8 prompts × 8 samples per step, prompts of
+16–32 tokens, exactly 32 new tokens per sample (EOS held off: ours ``min_completion_tokens = max_completion_tokens =
+32``, TRL ``generation_kwargs={"min_new_tokens": 32}``; both checked every step), β = 0.04 with the k3 KL in the loss,
+temperature 1, top-p 1, one optimiser step per rollout batch (μ = 1, one mini-batch, no accumulation), GRPO's
+per-sequence token mean (TRL ``loss_type="grpo"``), AdamW at lr 3e-4, grad-norm clip 1.0, the same reward (our
+``length_penalty`` grader, called by both), fp32 or bf16 autocast with fp32 master weights on both sides. TRL runs
+without gradient checkpointing by default so that both sides do the same work (``--trl-gradient-checkpointing``
+turns on TRL's default).
+
+Each side runs in its own subprocess (``--worker``) so that its peak memory is its own: peak RSS (``VmHWM``) is
+reset after the warm-up steps and read after the last measured step. Sides alternate: ours, TRL, ours, TRL, ...
+(``--rounds``). Step time is the wall time between consecutive step ends, warm-up steps excluded.
+
+Models: Qwen2 architecture, randomly initialised (seed 0) and saved with a locally built word-level tokenizer of
+1024 tokens into ``--workdir``: ``small`` = hidden 256, 4 layers; ``large`` = hidden 512, 8 layers (FFN 4×hidden,
+head dim 64, 2 query heads per KV head, tied embeddings).
+
+Model FLOPs per step (MFU's numerator; padding excluded, attention-score FLOPs left out: < 4% at context ≤ 64):
+    B = 64 rows, C = 32 completion tokens, p = mean prompt tokens, T = B·(p + C)
+    N = matmul weights of the transformer body (q, k, v, o, gate, up, down), N_L = LoRA weights (A and B),
+    H = V·h (the LM head: a matmul even when tied to the embedding)
+    generation    2·(N + N_L)·B·(p + C − 1) + 2·H·B·C       (prefill + C − 1 decode steps, logits for C tokens)
+    reference     2·N·T + 2·H·B·C                            (adapter disabled)
+    policy fwd    2·(N + N_L)·T + 2·H·B·C
+    backward      2·N·T + 2·H·B·C + 4·N_L·T                  (frozen weights need only input gradients; LoRA both)
+MFU = model FLOPs per step / (seconds per step × the machine's measured matmul rate at that precision), the rate
+measured at startup with a 2048³ matmul (fp32 tensors for fp32, bf16 tensors for bf16).
+
+Run:  .venv/bin/python bench/grpo_vs_trl.py --model small --precision bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BATCH_PROMPTS = 8
+GROUP = 8
+ROWS = BATCH_PROMPTS * GROUP
+COMPLETION = 32
+PROMPT_MIN, PROMPT_MAX = 16, 32
+N_PROMPTS = 512
+VOCAB = 1024
+LORA_R, LORA_ALPHA = 16, 32
+BETA = 0.04
+LR = 3e-4
+SEED = 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+
+    @property
+    def intermediate(self) -> int:
+        return 4 * self.hidden
+
+    @property
+    def heads(self) -> int:
+        return self.hidden // 64
+
+    @property
+    def kv_heads(self) -> int:
+        return max(self.heads // 2, 1)
+
+
+MODELS = {"small": ModelShape(256, 4), "large": ModelShape(512, 8)}
+
+# The length_penalty grader is the reward on both sides: ~5 characters a token, so 32 tokens ≈ 150–200 characters
+# and the reward varies within every group.
+GRADER = {"type": "length_penalty", "name": "len", "input": "{{sample.output_text}}", "max_chars": 100}
+
+
+# -- set-up: tokenizer, model, prompts ------------------------------------------------------------------------
+
+
+def _words(rng: random.Random) -> list[str]:
+    consonants, vowels = "bcdfghjklmnprstvwz", "aeiou"
+    syllables = [c + v for c in consonants for v in vowels]
+    words = sorted({a + b for a in syllables for b in syllables})
+    rng.shuffle(words)
+    return words[:2000] + [str(d) for d in range(10)]
+
+
+def _tokenizer(rng: random.Random, words: list[str]) -> Any:
+    """A byte-level BPE of VOCAB tokens trained on the synthetic words. (A word-level tokenizer would not do:
+    transformers 5 loads a Qwen2 folder's tokenizer as ``Qwen2Tokenizer``, which rebuilds a byte-level BPE.)"""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(5000)]
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=VOCAB,
+            special_tokens=["<pad>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", padding_side="left")
+
+
+def _prompt(rng: random.Random, words: list[str], tok: Any) -> tuple[str, int]:
+    """Random words up to a random length of PROMPT_MIN..PROMPT_MAX tokens: (text, its token count)."""
+    target = rng.randint(PROMPT_MIN, PROMPT_MAX)
+    text = ""
+    while True:
+        longer = (text + " " + rng.choice(words)).strip()
+        n = len(tok(longer, add_special_tokens=False)["input_ids"])
+        if n > target:
+            return text, len(tok(text, add_special_tokens=False)["input_ids"])
+        text = longer
+
+
+def build_assets(workdir: Path, model: str) -> tuple[Path, Path]:
+    """The model folder (weights + tokenizer) and the prompt file, built once per workdir, deterministically."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    shape = MODELS[model]
+    tok_dir = workdir / "tokenizer"
+    model_dir = workdir / f"qwen2-h{shape.hidden}-l{shape.layers}"
+    prompts = workdir / "prompts.jsonl"
+    rng = random.Random(SEED)
+    words = _words(rng)
+    if not (tok_dir / "tokenizer.json").exists():
+        _tokenizer(rng, words).save_pretrained(tok_dir)
+    if (model_dir / "config.json").exists() and prompts.exists():
+        return model_dir, prompts
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    torch.manual_seed(SEED)
+    Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
+    for f in tok_dir.iterdir():
+        (model_dir / f.name).write_bytes(f.read_bytes())
+    tok = AutoTokenizer.from_pretrained(model_dir)  # as both trainers will load it
+    assert (tok.pad_token_id, tok.eos_token_id) == (0, 1), (tok.pad_token_id, tok.eos_token_id)
+    if not prompts.exists():
+        rows = [_prompt(rng, words, tok) for _ in range(N_PROMPTS)]
+        prompts.write_text("".join(json.dumps({"prompt": t, "n_tokens": n}) + "\n" for t, n in rows))
+    return model_dir, prompts
+
+
+def prompt_lengths(prompts: Path) -> list[int]:
+    return [json.loads(ln)["n_tokens"] for ln in prompts.read_text().splitlines() if ln.strip()]
+
+
+# -- FLOPs and the machine's matmul rate --------------------------------------------------------------------------
+
+
+def model_flops_per_step(shape: ModelShape, mean_prompt: float) -> dict[str, float]:
+    """Model FLOPs of one step by phase (the formula in the module docstring)."""
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_heads * 64
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i
+    lora_per_layer = LORA_R * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
+    n, n_l, head = shape.layers * per_layer, shape.layers * lora_per_layer, VOCAB * h
+    t = ROWS * (mean_prompt + COMPLETION)
+    logits = 2 * head * ROWS * COMPLETION
+    return {
+        "generation": 2 * (n + n_l) * ROWS * (mean_prompt + COMPLETION - 1) + logits,
+        "reference": 2 * n * t + logits,
+        "policy_fwd": 2 * (n + n_l) * t + logits,
+        "backward": 2 * n * t + logits + 4 * n_l * t,
+    }
+
+
+def matmul_gflops(dtype_name: str, size: int = 2048, seconds: float = 1.5) -> float:
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * size**3 * n / (time.perf_counter() - t0) / 1e9
+
+
+# -- workers: one side's run in its own process -----------------------------------------------------------------
+
+
+def _reset_peak_rss() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux ≥ 4.0)
+
+
+def _peak_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+class PhaseTimer:
+    """Wall time by phase, summed over the measured steps (``on`` is False during warm-up)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.sums: dict[str, float] = {}
+
+    def wrap(self, fn: Any, name: str | Any) -> Any:
+        """``name`` may be a callable choosing the phase at call time (e.g. by whether grad is enabled)."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.on:
+                    key = name() if callable(name) else name
+                    self.sums[key] = self.sums.get(key, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+
+class StepClock:
+    """Step times between consecutive step ends; resets peak RSS and starts the phase timer after warm-up."""
+
+    def __init__(self, warmup: int, phases: PhaseTimer) -> None:
+        self.warmup, self.phases = warmup, phases
+        self.done = 0
+        self.last = time.perf_counter()
+        self.times: list[float] = []
+        self.peak_rss_mib = 0.0
+
+    def step_end(self) -> None:
+        now = time.perf_counter()
+        self.done += 1
+        if self.done > self.warmup:
+            self.times.append(now - self.last)
+            self.peak_rss_mib = _peak_rss_mib()
+        if self.done == self.warmup:
+            _reset_peak_rss()
+            self.phases.on = True
+        self.last = now
+
+
+def _patch_backward(phases: PhaseTimer) -> None:
+    import torch
+
+    torch.Tensor.backward = phases.wrap(torch.Tensor.backward, "backward")  # type: ignore[method-assign]
+
+
+def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int) -> Any:
+    """The benchmark run as our job spec (a :class:`trainer.config.JobSpec`)."""
+    from trainer.config import parse_spec
+
+    return parse_spec(
+        {
+            "model": str(model_dir),
+            "training_file": str(prompts),
+            "seed": SEED,
+            "method": {
+                "type": "grpo",
+                "grpo": {
+                    "grader": GRADER,
+                    "hyperparameters": {
+                        "batch_size": BATCH_PROMPTS,
+                        "group_size": GROUP,
+                        "max_steps": max_steps,
+                        "learning_rate": LR,
+                        "beta": BETA,
+                        "kl_estimator": "k3",
+                        "loss_aggregation": "seq_mean_token_mean",
+                        "temperature": 1.0,
+                        "top_p": 1.0,
+                        "max_prompt_tokens": PROMPT_MAX,
+                        "min_completion_tokens": COMPLETION,
+                        "max_completion_tokens": COMPLETION,
+                        "checkpoint_interval": 10**6,
+                        "rollouts_logged": 0,
+                        "precision": precision,
+                    },
+                    "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": "all-linear"},
+                },
+            },
+        }
+    )
+
+
+def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup: int) -> dict[str, Any]:
+    import torch
+
+    import trainer.rl as rl
+    from trainer.callbacks import BaseCallback
+
+    phases = PhaseTimer()
+    clock = StepClock(warmup, phases)
+    lengths: list[tuple[float, float]] = []
+
+    class Clock(BaseCallback):
+        def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+            clock.step_end()
+            lengths.append((metrics["completion_len/mean"], metrics["completion_len/max"]))
+
+    def logp_phase() -> str:
+        return "policy_fwd" if torch.is_grad_enabled() else "reference"
+
+    rl.generate = phases.wrap(rl.generate, "generation")  # type: ignore[assignment]
+    rl.completion_logprobs = phases.wrap(rl.completion_logprobs, logp_phase)  # type: ignore[assignment]
+    rl.grade_batch = phases.wrap(rl.grade_batch, "reward")  # type: ignore[assignment]
+    rl.decode_completions = phases.wrap(rl.decode_completions, "reward")  # type: ignore[assignment]
+    _patch_backward(phases)
+    spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps)
+    with tempfile.TemporaryDirectory() as out:
+        t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device("cpu"))
+        # Wraps the scheduler's own step-tracking wrapper, so the scheduler still sees every optimiser step.
+        t.optimizer.step = phases.wrap(t.optimizer.step, "optimizer")  # type: ignore[method-assign]
+        clock.last = time.perf_counter()
+        t.run()
+    assert all(mean == COMPLETION and mx == COMPLETION for mean, mx in lengths), f"ours: lengths {lengths}"
+    return {"step_s": clock.times, "peak_rss_mib": clock.peak_rss_mib, "phases": phases.sums}
+
+
+def run_trl(
+    model_dir: Path, prompts: Path, precision: str, steps: int, warmup: int, gradient_checkpointing: bool
+) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset  # type: ignore[import-untyped]
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer import graders
+
+    phases = PhaseTimer()
+    clock = StepClock(warmup, phases)
+    grader = graders.parse_grader(GRADER)
+    seen_lengths: list[int] = []
+
+    def reward(completions: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
+        seen_lengths.extend(len(c) for c in completion_ids)
+        return [graders.grade(grader, output_text=c, item={}).score for c in completions]
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            clock.step_end()
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if phases.on:
+                phases.sums["optimizer"] = phases.sums.get("optimizer", 0.0) + time.perf_counter() - self.t0
+
+    def logp_phase() -> str:
+        return "policy_fwd" if torch.is_grad_enabled() else "reference"
+
+    for method, phase in (("_generate_single_turn", "generation"), ("_get_per_token_logps_and_entropies", logp_phase)):
+        setattr(GRPOTrainer, method, phases.wrap(getattr(GRPOTrainer, method), phase))
+    _patch_backward(phases)
+    reward_fn = phases.wrap(reward, "reward")
+    reward_fn.__name__ = "len"
+    rows = [json.loads(ln) for ln in prompts.read_text().splitlines() if ln.strip()]
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out,
+            use_cpu=True,
+            bf16=precision == "bf16",
+            fp16=False,
+            gradient_checkpointing=gradient_checkpointing,
+            per_device_train_batch_size=ROWS,
+            gradient_accumulation_steps=1,
+            num_generations=GROUP,
+            max_completion_length=COMPLETION,
+            generation_kwargs={"min_new_tokens": COMPLETION},
+            temperature=1.0,
+            top_p=1.0,
+            beta=BETA,
+            loss_type="grpo",
+            scale_rewards="group",
+            num_iterations=1,
+            epsilon=0.2,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            max_grad_norm=1.0,
+            weight_decay=0.0,
+            max_steps=warmup + steps,
+            logging_steps=10**6,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            log_completions=False,
+            use_vllm=False,
+            seed=SEED,
+            dataloader_num_workers=0,
+        )
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        trainer = GRPOTrainer(
+            model=str(model_dir),
+            reward_funcs=reward_fn,
+            args=args,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tok,
+            peft_config=LoraConfig(
+                r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+            ),
+            callbacks=[Clock()],
+        )
+        clock.last = time.perf_counter()
+        trainer.train()
+    assert seen_lengths and all(n == COMPLETION for n in seen_lengths), f"TRL: completion lengths {set(seen_lengths)}"
+    return {"step_s": clock.times, "peak_rss_mib": clock.peak_rss_mib, "phases": phases.sums}
+
+
+def worker_main(a: argparse.Namespace) -> None:
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(SEED)
+    model_dir, prompts = Path(a.model_dir), Path(a.prompts)
+    if a.worker == "ours":
+        res = run_ours(model_dir, prompts, a.precision, a.steps, a.warmup)
+    else:
+        res = run_trl(model_dir, prompts, a.precision, a.steps, a.warmup, a.trl_gradient_checkpointing)
+    res["threads"] = torch.get_num_threads()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# -- driver ---------------------------------------------------------------------------------------------------
+
+
+def run_side(side: str, model_dir: Path, prompts: Path, a: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        side,
+        "--model-dir",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--precision",
+        a.precision,
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+    ]
+    if a.trl_gradient_checkpointing:
+        cmd.append("--trl-gradient-checkpointing")
+    if a.threads:
+        cmd += ["--threads", str(a.threads)]
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    results = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"{side} worker failed (exit {proc.returncode})")
+    return dict(json.loads(results[-1].removeprefix("RESULT ")))
+
+
+def _fmt_phases(phases: dict[str, float]) -> str:
+    order = ["generation", "reference", "policy_fwd", "backward", "optimizer", "reward"]
+    parts = [f"{k} {phases[k]:.3f}" for k in order if k in phases]
+    return ", ".join(parts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="small")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per side per round")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps at the start of every run")
+    p.add_argument("--rounds", type=int, default=2, help="ours, TRL alternations")
+    p.add_argument("--sides", default="ours,trl", help="comma-separated subset of ours,trl")
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "proxima-grpo-bench")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off: the same work")
+    p.add_argument("--threads", type=int, help="torch threads on both sides (default: torch's, one per core)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--prompts", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker_main(a)
+        return
+
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    shape = MODELS[a.model]
+    model_dir, prompts = build_assets(a.workdir, a.model)
+    mean_prompt = statistics.fmean(prompt_lengths(prompts))
+    flops = model_flops_per_step(shape, mean_prompt)
+    total_flops = sum(flops.values())
+    rate = {d: matmul_gflops(d) for d in ("fp32", "bf16")}
+    print(
+        f"machine: {torch.get_num_threads()} threads, 2048³ matmul fp32 {rate['fp32']:.0f} GFLOP/s, "
+        f"bf16 {rate['bf16']:.0f} GFLOP/s"
+    )
+    print(
+        f"model {a.model}: Qwen2 hidden {shape.hidden}, {shape.layers} layers, vocab {VOCAB}; precision {a.precision};"
+        f" {ROWS} rows × {COMPLETION} new tokens, mean prompt {mean_prompt:.1f} tokens; "
+        f"model FLOPs/step {total_flops / 1e9:.1f} G ("
+        + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in flops.items())
+        + ")"
+    )
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"warning: load average {load:.1f} before the start: other processes share these cores", flush=True)
+    sides = a.sides.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    for r in range(a.rounds):
+        for side in sides:
+            res = run_side(side, model_dir, prompts, a)
+            runs[side].append(res)
+            print(
+                f"round {r + 1} {side:4s}: "
+                + " ".join(f"{t:.3f}" for t in res["step_s"])
+                + f" s/step, peak RSS {res['peak_rss_mib']:.0f} MiB (load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
+
+    summary: dict[str, dict[str, Any]] = {}
+    for side, rs in runs.items():
+        times = [t for res in rs for t in res["step_s"]]
+        sec = statistics.fmean(times)
+        phases: dict[str, float] = {}
+        for res in rs:
+            for k, v in res["phases"].items():
+                phases[k] = phases.get(k, 0.0) + v
+        summary[side] = {
+            "s_per_step": sec,
+            "s_min": min(times),
+            "s_max": max(times),
+            "gen_tok_s": ROWS * COMPLETION / sec,
+            "peak_rss_mib": max(res["peak_rss_mib"] for res in rs),
+            "mfu": total_flops / (sec * rate[a.precision] * 1e9),
+            "phases_per_step": {k: v / len(times) for k, v in phases.items()},
+            "steps": len(times),
+        }
+    print()
+    print(f"{'side':6s} {'s/step':>8s} {'(min–max)':>15s} {'gen tok/s':>10s} {'peak RSS':>10s} {'MFU':>6s}")
+    for side, s in summary.items():
+        print(
+            f"{side:6s} {s['s_per_step']:8.3f} {s['s_min']:7.3f}–{s['s_max']:<7.3f} {s['gen_tok_s']:10.0f} "
+            f"{s['peak_rss_mib']:7.0f} MiB {100 * s['mfu']:5.1f}%"
+        )
+    if "ours" in summary and "trl" in summary:
+        o, t = summary["ours"], summary["trl"]
+        print(
+            f"ours/TRL: throughput {t['s_per_step'] / o['s_per_step']:.2f}×, "
+            f"peak RSS {o['peak_rss_mib'] / t['peak_rss_mib']:.2f}×"
+        )
+    print("\nseconds per step by phase (the rest: data, advantages, loss arithmetic, metrics):")
+    for side, s in summary.items():
+        print(f"  {side:4s}: {_fmt_phases(s['phases_per_step'])}")
+    if a.json:
+        a.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(a).items() if v is not None},
+                    "matmul_gflops": rate,
+                    "model_flops_per_step": flops,
+                    "summary": summary,
+                    "runs": runs,
+                },
+                indent=2,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
