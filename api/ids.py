@@ -1,0 +1,35 @@
+"""Object ids with OpenAI's prefixes: ``file-…``, ``ftjob-…``, ``ftevent-…``, ``ftckpt_…``."""
+
+from __future__ import annotations
+
+import secrets
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def _token(n: int = 24) -> str:
+    return "".join(secrets.choice(_ALPHABET) for _ in range(n))
+
+
+def file_id() -> str:
+    return f"file-{_token()}"
+
+
+def job_id() -> str:
+    return f"ftjob-{_token()}"
+
+
+def event_id() -> str:
+    return f"ftevent-{_token()}"
+
+
+def checkpoint_id() -> str:
+    return f"ftckpt_{_token()}"
+
+
+def tenant_id() -> str:
+    return f"org-{_token(16)}"
+
+
+def api_key() -> str:
+    return f"sk-prx-{_token(40)}"

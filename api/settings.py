@@ -1,0 +1,59 @@
+"""One settings object (pydantic-settings, prefix ``PROXIMA_``), read through a cached function that tests override.
+
+Unset backends fall back to embedded ones computed here: a SQLite file, a broker that needs no server (kombu's
+SQLAlchemy transport on a second SQLite file) and a local artifact folder, all under ``PROXIMA_HOME``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PROXIMA_", extra="ignore")
+
+    home: Path = Field(default_factory=lambda: Path.home() / ".proxima")
+    database_url: str | None = None
+    broker_url: str | None = None
+    artifacts: str | None = None
+    s3_endpoint_url: str | None = None
+    base_models: list[str] = Field(default_factory=lambda: ["tiny-arith"])
+    max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
+    lease_seconds: float = Field(30.0, gt=0, description="a worker's claim on a job expires after this")
+    run_migrations: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+    @field_validator("home")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return v.expanduser()
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'proxima.db'}"
+
+    @property
+    def celery_broker_url(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{self.home / 'broker.db'}"
+
+    @property
+    def artifacts_url(self) -> str:
+        return self.artifacts or str(self.home / "artifacts")
+
+    @property
+    def model_store(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url is None and self.broker_url is None
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
