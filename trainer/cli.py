@@ -28,7 +28,7 @@ datasets_app = typer.Typer(help="Built-in datasets.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(datasets_app, name="datasets")
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # messages stay on one line: scripts grep them
 # peft calls a transformers API that transformers 5 deprecates: not the user's concern.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 USER_ERRORS = (SpecError, DatasetError, ModelError, graders.GraderError)
