@@ -32,7 +32,8 @@ def get_session(settings: SettingsDep) -> Iterator[Session]:
         session.close()
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": commit before the response is sent, so a client that reads right after sees the change.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def get_tenant(request: Request, session: SessionDep) -> Tenant:

@@ -1,0 +1,142 @@
+"""SQL for jobs as the API sees them: a tenant's jobs, their events, metrics, checkpoints and rollouts.
+
+The worker's side (claiming, leases, writing progress) lives in ``api.repositories.runs``. Status changes that race
+with a worker are conditional updates (``transition``): the row changes only if it is still in an expected state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sqlalchemy import Text, cast, or_, select, tuple_, update
+from sqlalchemy.orm import Session
+
+from api import ids
+from api.orm import Checkpoint, Job, JobEvent, JobMetric, Rollout, now
+
+
+def add(session: Session, *, row: Job) -> Job:
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get(session: Session, *, tenant_id: str, job_id: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id))
+
+
+def page(
+    session: Session,
+    *,
+    tenant_id: str,
+    after: Job | None,
+    limit: int,
+    metadata: Mapping[str, str] | None = None,
+    metadata_null: bool = False,
+) -> tuple[list[Job], bool]:
+    """The tenant's jobs, newest first; ``metadata`` keeps jobs whose metadata has every pair,
+    ``metadata_null`` those without metadata. (rows, has_more)."""
+    stmt = select(Job).where(Job.tenant_id == tenant_id)
+    for key, value in (metadata or {}).items():
+        stmt = stmt.where(Job.metadata_[key].as_string() == value)
+    if metadata_null:
+        # A JSON column stores Python None as JSON 'null' unless the value was never set (SQL NULL).
+        stmt = stmt.where(or_(Job.metadata_.is_(None), cast(Job.metadata_, Text) == "null"))
+    if after is not None:
+        stmt = stmt.where(tuple_(Job.created_at, Job.id) < tuple_(after.created_at, after.id))  # type: ignore[arg-type]
+    stmt = stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+    rows = list(session.scalars(stmt))
+    return rows[:limit], len(rows) > limit
+
+
+def transition(session: Session, *, job: Job, from_statuses: Iterable[str], **values: Any) -> bool:
+    """Set ``values`` on the job only if its status is still one of ``from_statuses`` (a worker may have moved it
+    meanwhile); refreshes ``job`` either way and says whether the update happened."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.status.in_(list(from_statuses)))
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    session.refresh(job)
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def succeeded_models(session: Session, *, tenant_id: str) -> list[tuple[str, int]]:
+    """(fine_tuned_model, finished_at) of the tenant's succeeded jobs, newest first."""
+    rows = session.execute(
+        select(Job.fine_tuned_model, Job.finished_at, Job.created_at)
+        .where(Job.tenant_id == tenant_id, Job.status == "succeeded", Job.fine_tuned_model.is_not(None))
+        .order_by(Job.created_at.desc())
+    )
+    return [(str(m), int(f or c)) for m, f, c in rows]
+
+
+# -- events ---------------------------------------------------------------------------------------------------
+
+
+def add_event(
+    session: Session, *, job_id: str, level: str, message: str, data: dict[str, Any] | None = None
+) -> JobEvent:
+    row = JobEvent(
+        id=ids.event_id(), job_id=job_id, level=level, message=message, type="message", data=data, created_at=now()
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get_event(session: Session, *, job_id: str, event_id: str) -> JobEvent | None:
+    return session.scalar(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id == event_id))
+
+
+def events_page(session: Session, *, job_id: str, after: JobEvent | None, limit: int) -> tuple[list[JobEvent], bool]:
+    """Newest first (by insertion order); (rows, has_more)."""
+    stmt = select(JobEvent).where(JobEvent.job_id == job_id)
+    if after is not None:
+        stmt = stmt.where(JobEvent.seq < after.seq)
+    rows = list(session.scalars(stmt.order_by(JobEvent.seq.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------
+
+
+def get_checkpoint(session: Session, *, job_id: str, checkpoint_id: str) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.id == checkpoint_id))
+
+
+def checkpoints_page(
+    session: Session, *, job_id: str, after: Checkpoint | None, limit: int
+) -> tuple[list[Checkpoint], bool]:
+    """Latest step first; (rows, has_more)."""
+    stmt = select(Checkpoint).where(Checkpoint.job_id == job_id)
+    if after is not None:
+        stmt = stmt.where(Checkpoint.step_number < after.step_number)
+    rows = list(session.scalars(stmt.order_by(Checkpoint.step_number.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+# -- metrics and rollouts -------------------------------------------------------------------------------------
+
+
+def metrics(session: Session, *, job_id: str, after_step: int | None, limit: int | None) -> list[JobMetric]:
+    """The per-step series ordered by step, from the step after ``after_step``."""
+    stmt = select(JobMetric).where(JobMetric.job_id == job_id)
+    if after_step is not None:
+        stmt = stmt.where(JobMetric.step > after_step)
+    stmt = stmt.order_by(JobMetric.step.asc())
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return list(session.scalars(stmt))
+
+
+def rollout_steps(session: Session, *, job_id: str) -> list[int]:
+    return list(session.scalars(select(Rollout.step).where(Rollout.job_id == job_id).distinct().order_by(Rollout.step)))
+
+
+def rollouts(session: Session, *, job_id: str, step: int) -> list[Rollout]:
+    return list(
+        session.scalars(select(Rollout).where(Rollout.job_id == job_id, Rollout.step == step).order_by(Rollout.id))
+    )

@@ -1,0 +1,95 @@
+"""``/v1/files``: upload, list, retrieve, delete and download datasets (and the result files jobs write)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, BinaryIO, Literal
+from urllib.parse import quote
+
+from fastapi import APIRouter, Form, Query, UploadFile
+from fastapi.responses import StreamingResponse
+
+from api.deps import SessionDep, SettingsDep, StoreDep, TenantDep
+from api.schemas import CursorListObject, FileDeleted, FileObject, cursor_list
+from api.services import files as files_service
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+CHUNK_BYTES = 1 << 20
+
+
+def stream(fh: BinaryIO) -> Iterator[bytes]:
+    """Yield a stored object in chunks, closing it at the end (or when the client goes away)."""
+    try:
+        while chunk := fh.read(CHUNK_BYTES):
+            yield chunk
+    finally:
+        fh.close()
+
+
+def attachment(filename: str) -> str:
+    """A Content-Disposition value safe for any file name (headers are latin-1; RFC 6266 ``filename*``)."""
+    fallback = "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in filename)
+    return f"attachment; filename=\"{fallback or 'download'}\"; filename*=UTF-8''{quote(filename, safe='')}"
+
+
+@router.post("", response_model=FileObject, summary="Upload a JSONL dataset")
+def create_file(
+    file: UploadFile,
+    purpose: Annotated[str, Form()],
+    session: SessionDep,
+    settings: SettingsDep,
+    store: StoreDep,
+    tenant: TenantDep,
+) -> FileObject:
+    row = files_service.upload(
+        session=session,
+        store=store,
+        tenant=tenant,
+        source=file.file,
+        filename=file.filename or "",
+        purpose=purpose,
+        max_bytes=settings.max_upload_bytes,
+    )
+    return FileObject.from_row(row)
+
+
+@router.get("", response_model=CursorListObject[FileObject], summary="List files")
+def list_files(
+    session: SessionDep,
+    tenant: TenantDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=files_service.MAX_LIST_LIMIT)] = files_service.MAX_LIST_LIMIT,
+    order: Literal["asc", "desc"] = "desc",
+    purpose: str | None = None,
+) -> CursorListObject[FileObject]:
+    rows, has_more = files_service.page(
+        session=session, tenant=tenant, purpose=purpose, after=after, limit=limit, order=order
+    )
+    return CursorListObject[FileObject](**cursor_list([FileObject.from_row(r) for r in rows], has_more=has_more))
+
+
+@router.get("/{file_id}", response_model=FileObject, summary="Retrieve a file")
+def retrieve_file(file_id: str, session: SessionDep, tenant: TenantDep) -> FileObject:
+    return FileObject.from_row(files_service.get(session=session, tenant=tenant, file_id=file_id))
+
+
+@router.delete("/{file_id}", response_model=FileDeleted, summary="Delete a file")
+def delete_file(file_id: str, session: SessionDep, store: StoreDep, tenant: TenantDep) -> FileDeleted:
+    row = files_service.delete(session=session, store=store, tenant=tenant, file_id=file_id)
+    return FileDeleted(id=row.id, deleted=True)
+
+
+@router.get(
+    "/{file_id}/content",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+    summary="Download a file's bytes",
+)
+def file_content(file_id: str, session: SessionDep, store: StoreDep, tenant: TenantDep) -> StreamingResponse:
+    row, fh = files_service.open_content(session=session, store=store, tenant=tenant, file_id=file_id)
+    return StreamingResponse(
+        stream(fh),
+        media_type="application/octet-stream",
+        headers={"content-disposition": attachment(row.filename)},
+    )

@@ -1,0 +1,21 @@
+"""``/v1/fine_tuning/alpha/graders``: OpenAI's grader dry-run and validation."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import TenantDep
+from api.schemas import GraderRunRequest, GraderRunResponse, GraderValidateRequest, GraderValidateResponse
+from api.services import graders as graders_service
+
+router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["graders"])
+
+
+@router.post("/run", response_model=GraderRunResponse, summary="Score one sample with a grader")
+def run_grader(body: GraderRunRequest, tenant: TenantDep) -> GraderRunResponse:
+    return graders_service.run(grader=body.grader, model_sample=body.model_sample, item=body.item)
+
+
+@router.post("/validate", response_model=GraderValidateResponse, summary="Check a grader")
+def validate_grader(body: GraderValidateRequest, tenant: TenantDep) -> GraderValidateResponse:
+    return GraderValidateResponse(grader=graders_service.validate(grader=body.grader))

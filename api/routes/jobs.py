@@ -1,0 +1,171 @@
+"""``/v1/fine_tuning/jobs``: OpenAI's fine-tuning jobs, plus pause/resume, metrics, rollouts and adapters."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+from api.deps import SessionDep, SettingsDep, StoreDep, TenantDep
+from api.errors import InvalidRequest
+from api.routes.files import attachment, stream
+from api.schemas import (
+    CheckpointObject,
+    CursorListObject,
+    FineTuningJob,
+    JobCreate,
+    JobEventObject,
+    ListObject,
+    MetricsPoint,
+    RolloutList,
+    cursor_list,
+)
+from api.services import jobs as jobs_service
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+
+_METADATA_KEY = re.compile(r"^metadata\[(.+)\]$")
+
+
+def metadata_filter(request: Request) -> tuple[dict[str, str], bool]:
+    """OpenAI's ``metadata[k]=v`` query filter (every pair must match) or ``metadata=null`` (jobs without any)."""
+    pairs = {m.group(1): v for k, v in request.query_params.multi_items() if (m := _METADATA_KEY.match(k))}
+    raw = request.query_params.get("metadata")
+    if raw is not None and raw != "null":
+        raise InvalidRequest("use metadata[key]=value to filter, or metadata=null", param="metadata")
+    if raw == "null" and pairs:
+        raise InvalidRequest("metadata=null cannot be combined with metadata[key]=value", param="metadata")
+    return pairs, raw == "null"
+
+
+@router.post("", response_model=FineTuningJob, summary="Create a fine-tuning job")
+def create_job(
+    body: JobCreate, session: SessionDep, settings: SettingsDep, store: StoreDep, tenant: TenantDep
+) -> FineTuningJob:
+    job = jobs_service.create(session=session, settings=settings, store=store, tenant=tenant, body=body)
+    return FineTuningJob.from_row(job)
+
+
+@router.get("", response_model=ListObject[FineTuningJob], summary="List fine-tuning jobs, newest first")
+def list_jobs(
+    request: Request,
+    session: SessionDep,
+    tenant: TenantDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+) -> ListObject[FineTuningJob]:
+    metadata, metadata_null = metadata_filter(request)
+    rows, has_more = jobs_service.page(
+        session=session, tenant=tenant, after=after, limit=limit, metadata=metadata, metadata_null=metadata_null
+    )
+    return ListObject[FineTuningJob](data=[FineTuningJob.from_row(r) for r in rows], has_more=has_more)
+
+
+@router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, summary="Retrieve a fine-tuning job")
+def retrieve_job(fine_tuning_job_id: str, session: SessionDep, tenant: TenantDep) -> FineTuningJob:
+    return FineTuningJob.from_row(jobs_service.get(session=session, tenant=tenant, job_id=fine_tuning_job_id))
+
+
+@router.post("/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, summary="Cancel a job")
+def cancel_job(fine_tuning_job_id: str, session: SessionDep, tenant: TenantDep) -> FineTuningJob:
+    return FineTuningJob.from_row(jobs_service.cancel(session=session, tenant=tenant, job_id=fine_tuning_job_id))
+
+
+@router.post("/{fine_tuning_job_id}/pause", response_model=FineTuningJob, summary="Pause a job at its next checkpoint")
+def pause_job(fine_tuning_job_id: str, session: SessionDep, tenant: TenantDep) -> FineTuningJob:
+    return FineTuningJob.from_row(jobs_service.pause(session=session, tenant=tenant, job_id=fine_tuning_job_id))
+
+
+@router.post("/{fine_tuning_job_id}/resume", response_model=FineTuningJob, summary="Resume a paused job")
+def resume_job(fine_tuning_job_id: str, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> FineTuningJob:
+    job = jobs_service.resume(session=session, settings=settings, tenant=tenant, job_id=fine_tuning_job_id)
+    return FineTuningJob.from_row(job)
+
+
+@router.get(
+    "/{fine_tuning_job_id}/events", response_model=ListObject[JobEventObject], summary="A job's events, newest first"
+)
+def list_events(
+    fine_tuning_job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+) -> ListObject[JobEventObject]:
+    rows, has_more = jobs_service.events(
+        session=session, tenant=tenant, job_id=fine_tuning_job_id, after=after, limit=limit
+    )
+    return ListObject[JobEventObject](data=[JobEventObject.from_row(r) for r in rows], has_more=has_more)
+
+
+@router.get(
+    "/{fine_tuning_job_id}/checkpoints",
+    response_model=CursorListObject[CheckpointObject],
+    summary="A job's checkpoints, latest step first",
+)
+def list_checkpoints(
+    fine_tuning_job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 10,
+) -> CursorListObject[CheckpointObject]:
+    job, rows, has_more = jobs_service.checkpoints(
+        session=session, tenant=tenant, job_id=fine_tuning_job_id, after=after, limit=limit
+    )
+    items = [CheckpointObject.from_row(r, job=job) for r in rows]
+    return CursorListObject[CheckpointObject](**cursor_list(items, has_more=has_more))
+
+
+@router.get(
+    "/{fine_tuning_job_id}/checkpoints/{checkpoint_id}/adapter",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/gzip": {}}}},
+    summary="Download a checkpoint's PEFT adapter (.tar.gz) — extension",
+)
+def download_adapter(
+    fine_tuning_job_id: str, checkpoint_id: str, session: SessionDep, store: StoreDep, tenant: TenantDep
+) -> StreamingResponse:
+    job, ckpt, fh = jobs_service.open_adapter(
+        session=session, store=store, tenant=tenant, job_id=fine_tuning_job_id, checkpoint_id=checkpoint_id
+    )
+    name = f"{job.id}-step-{ckpt.step_number}-adapter.tar.gz"
+    return StreamingResponse(
+        stream(fh), media_type="application/gzip", headers={"content-disposition": attachment(name)}
+    )
+
+
+@router.get(
+    "/{fine_tuning_job_id}/metrics",
+    response_model=ListObject[MetricsPoint],
+    summary="The per-step metric series, by step — extension",
+)
+def list_metrics(
+    fine_tuning_job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    after_step: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+    limit: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
+) -> ListObject[MetricsPoint]:
+    rows, has_more = jobs_service.metrics(
+        session=session, tenant=tenant, job_id=fine_tuning_job_id, after_step=after_step, limit=limit
+    )
+    return ListObject[MetricsPoint](data=[MetricsPoint(step=r.step, metrics=r.values) for r in rows], has_more=has_more)
+
+
+@router.get(
+    "/{fine_tuning_job_id}/rollouts",
+    response_model=RolloutList,
+    summary="Sampled prompts, completions and rewards of one step (default: the latest) — extension",
+)
+def list_rollouts(
+    fine_tuning_job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    step: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+) -> RolloutList:
+    shown, steps, rows = jobs_service.rollouts(session=session, tenant=tenant, job_id=fine_tuning_job_id, step=step)
+    data: list[dict[str, Any]] = [{"object": "fine_tuning.job.rollout", **r.data, "step": r.step} for r in rows]
+    return RolloutList(data=data, step=shown, steps=steps)

@@ -1,0 +1,325 @@
+"""API schemas: the contract. Pydantic models shaped exactly like OpenAI's objects, strict on input.
+
+ORM rows never leave the service layer; each resource has one conversion here (``from_row``) that gives the
+prefixed ids and unix-second timestamps the rows already hold. Request bodies forbid unknown fields, so a typo is a
+400 naming the field instead of a silently ignored option.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from api.orm import Checkpoint, File, Job, JobEvent
+
+T = TypeVar("T")
+
+FILE_PURPOSES = ("fine-tune",)  # what a client may upload; the worker adds `fine-tune-results`
+JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lists
+
+
+class ListObject(BaseModel, Generic[T]):
+    """OpenAI's list envelope; the client pages with ``after=<last item's id>`` while ``has_more``."""
+
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool = False
+
+
+class CursorListObject(ListObject[T], Generic[T]):
+    """The envelope with ``first_id``/``last_id``, as OpenAI's file and checkpoint lists have it."""
+
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+def cursor_list(items: list[Any], *, has_more: bool) -> dict[str, Any]:
+    """Fields of a :class:`CursorListObject` for items that carry an ``id``."""
+    return {
+        "data": items,
+        "has_more": has_more,
+        "first_id": items[0].id if items else None,
+        "last_id": items[-1].id if items else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
+    lines: int = Field(description="extension: the number of JSONL records")
+
+    @classmethod
+    def from_row(cls, row: File) -> FileObject:
+        return cls(
+            id=row.id,
+            bytes=row.bytes,
+            created_at=row.created_at,
+            filename=row.filename,
+            purpose=row.purpose,
+            lines=row.lines,
+        )
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Jobs
+
+
+class JobCreate(_Request):
+    """``POST /v1/fine_tuning/jobs``. ``method`` is validated by :func:`trainer.config.parse_spec`, which names the
+    offending field. OpenAI's deprecated top-level ``hyperparameters`` move under the method; ``integrations``
+    are accepted only empty (none are supported)."""
+
+    model: str
+    training_file: str
+    validation_file: str | None = None
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    suffix: str | None = None
+    metadata: dict[str, str] | None = None
+    method: dict[str, Any] | None = None
+    hyperparameters: dict[str, Any] | None = None
+    integrations: list[Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_sizes(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's limits: keys up to 64 characters, values up to 512 (the pair count is the spec's check)."""
+        for key, value in (v or {}).items():
+            if not key or len(key) > 64:
+                raise ValueError(f"key {key[:70]!r}: keys are 1 to 64 characters")
+            if len(value) > 512:
+                raise ValueError(f"value of {key!r}: values are at most 512 characters")
+        return v
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class JobHyperparameters(BaseModel):
+    """OpenAI's summary of the method's hyperparameters."""
+
+    n_epochs: int | Literal["auto"] | None = None
+    batch_size: int | Literal["auto"] | None = None
+    learning_rate_multiplier: float | Literal["auto"] | None = None
+
+
+class FineTuningJob(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    model: str
+    created_at: int
+    finished_at: int | None
+    estimated_finish: int | None
+    fine_tuned_model: str | None
+    organization_id: str
+    status: JobStatus
+    training_file: str
+    validation_file: str | None
+    result_files: list[str]
+    trained_tokens: int | None
+    hyperparameters: JobHyperparameters
+    method: dict[str, Any]
+    integrations: list[Any] = Field(default_factory=list)
+    seed: int
+    metadata: dict[str, str] | None
+    error: JobError | None
+    # Extensions
+    suffix: str | None
+    current_step: int
+    total_steps: int | None
+
+    @classmethod
+    def from_row(cls, row: Job) -> FineTuningJob:
+        method = row.spec.get("method", {})
+        hp = method.get(method.get("type", ""), {}).get("hyperparameters", {})
+        return cls(
+            id=row.id,
+            model=row.model,
+            created_at=row.created_at,
+            finished_at=row.finished_at,
+            estimated_finish=row.estimated_finish,
+            fine_tuned_model=row.fine_tuned_model,
+            organization_id=row.tenant_id,
+            status=row.status,  # type: ignore[arg-type]
+            training_file=row.training_file,
+            validation_file=row.validation_file,
+            result_files=list(row.result_files or []),
+            trained_tokens=row.trained_tokens,
+            hyperparameters=JobHyperparameters(
+                n_epochs=hp.get("n_epochs"),
+                batch_size=hp.get("batch_size"),
+                learning_rate_multiplier=hp.get("learning_rate_multiplier"),
+            ),
+            method=method,
+            seed=row.seed,
+            metadata=row.metadata_,
+            error=JobError(**row.error) if row.error else None,
+            suffix=row.suffix,
+            current_step=row.current_step or 0,
+            total_steps=row.total_steps,
+        )
+
+
+class JobEventObject(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    type: Literal["message", "metrics"] = "message"
+    data: dict[str, Any] | None = None
+
+    @classmethod
+    def from_row(cls, row: JobEvent) -> JobEventObject:
+        return cls(
+            id=row.id,
+            created_at=row.created_at,
+            level=row.level,  # type: ignore[arg-type]
+            message=row.message,
+            type=row.type,  # type: ignore[arg-type]
+            data=row.data,
+        )
+
+
+class CheckpointObject(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    step_number: int
+    metrics: dict[str, float]
+
+    @classmethod
+    def from_row(cls, row: Checkpoint, *, job: Job) -> CheckpointObject:
+        return cls(
+            id=row.id,
+            created_at=row.created_at,
+            fine_tuned_model_checkpoint=f"{fine_tuned_model_name(job)}:ckpt-step-{row.step_number}",
+            fine_tuning_job_id=row.job_id,
+            step_number=row.step_number,
+            metrics={"step": float(row.step_number), **(row.metrics or {})},
+        )
+
+
+def fine_tuned_model_name(job: Job) -> str:
+    """``ft:<base>:<tenant>:<suffix>:<id>`` (design §2), the job id without its ``ftjob-`` prefix."""
+    return f"ft:{job.model}:{job.tenant_id}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')}"
+
+
+class MetricsPoint(BaseModel):
+    step: int
+    metrics: dict[str, float]
+
+
+class RolloutList(ListObject[dict[str, Any]]):
+    """The rollouts of one step (``step`` null when none were written yet); ``steps`` lists the steps that have
+    rollouts, oldest first, so a browser can page through them."""
+
+    step: int | None = None
+    steps: list[int] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Graders
+
+
+class GraderRunRequest(_Request):
+    grader: dict[str, Any]
+    model_sample: str
+    item: dict[str, Any] | None = None
+
+
+class GraderValidateRequest(_Request):
+    grader: dict[str, Any]
+
+
+class GraderValidateResponse(BaseModel):
+    grader: dict[str, Any]
+
+
+class GraderRunErrors(BaseModel):
+    """OpenAI's error flags of a grader run; ours map onto ``invalid_variable_error`` (an item field the templates
+    name is missing), ``formula_parse_error`` (a multi grader's formula failed) and ``other_error``."""
+
+    formula_parse_error: bool = False
+    invalid_variable_error: bool = False
+    model_grader_parse_error: bool = False
+    model_grader_refusal_error: bool = False
+    model_grader_server_error: bool = False
+    model_grader_server_error_details: str | None = None
+    other_error: bool = False
+    python_grader_runtime_error: bool = False
+    python_grader_runtime_error_details: str | None = None
+    python_grader_server_error: bool = False
+    python_grader_server_error_type: str | None = None
+    sample_parse_error: bool = False
+    truncated_observation_error: bool = False
+    unresponsive_reward_error: bool = False
+
+
+class GraderRunMetadata(BaseModel):
+    name: str
+    type: str
+    errors: GraderRunErrors
+    execution_time: float
+    scores: dict[str, float]
+    token_usage: int | None = None
+    sampled_model_name: str | None = None
+    error_messages: list[str] = Field(default_factory=list, description="extension: what raised the flags")
+
+
+class GraderRunResponse(BaseModel):
+    reward: float
+    metadata: GraderRunMetadata
+    sub_rewards: dict[str, float]
+    model_grader_token_usage_per_model: dict[str, Any] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Health
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    checks: dict[str, str] = Field(default_factory=dict)

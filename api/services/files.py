@@ -1,0 +1,171 @@
+"""Files: uploads streamed to the artifact store while every line is checked to be a JSON object."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Literal
+
+from sqlalchemy.orm import Session
+
+from api import ids
+from api.errors import InvalidRequest, NotFound, PayloadTooLarge
+from api.orm import File, Tenant, now
+from api.repositories import files as files_repo
+from api.schemas import FILE_PURPOSES
+from api.storage import ArtifactStore, TooLarge
+from api.storage import NotFound as ArtifactNotFound
+
+log = logging.getLogger("proxima.api.files")
+
+CHUNK_BYTES = 1 << 20
+MAX_LIST_LIMIT = 10_000
+MAX_FILENAME_CHARS = 512  # files.filename
+
+
+def storage_key(*, tenant_id: str, file_id: str) -> str:
+    return f"files/{tenant_id}/{file_id}.jsonl"
+
+
+@dataclass
+class _LineChecker:
+    """Splits a byte stream into lines across chunk boundaries and checks each non-blank line is a JSON object."""
+
+    lines: int = 0  # non-blank lines seen
+    _number: int = 0  # physical line number, for messages
+    _rest: bytes = b""
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._rest + chunk
+        *complete, self._rest = data.split(b"\n")
+        for raw in complete:
+            self._line(raw)
+
+    def close(self) -> None:
+        if self._rest:
+            self._line(self._rest)
+            self._rest = b""
+        if not self.lines:
+            raise InvalidRequest(
+                "the file is empty: expected one JSON object per line", param="file", code="invalid_file"
+            )
+
+    def _line(self, raw: bytes) -> None:
+        self._number += 1
+        n = self._number
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequest(f"line {n}: not valid UTF-8", param="file", code="invalid_file") from None
+        if not text.strip():
+            return
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise InvalidRequest(
+                f"line {n}: not valid JSON ({err.msg} at column {err.colno})", param="file", code="invalid_file"
+            ) from None
+        if not isinstance(obj, dict):
+            raise InvalidRequest(
+                f"line {n}: expected a JSON object, got {type(obj).__name__}", param="file", code="invalid_file"
+            )
+        self.lines += 1
+
+
+def _checked(source: BinaryIO, checker: _LineChecker) -> Iterator[bytes]:
+    while chunk := source.read(CHUNK_BYTES):
+        checker.feed(chunk)
+        yield chunk
+    checker.close()
+
+
+def upload(
+    *,
+    session: Session,
+    store: ArtifactStore,
+    tenant: Tenant,
+    source: BinaryIO,
+    filename: str,
+    purpose: str,
+    max_bytes: int,
+) -> File:
+    """Store a JSONL dataset and its row. A bad line, an empty file or one over ``max_bytes`` stores nothing."""
+    if purpose not in FILE_PURPOSES:
+        raise InvalidRequest(
+            f"purpose {purpose!r} is not supported; valid: {', '.join(FILE_PURPOSES)}",
+            param="purpose",
+            code="invalid_purpose",
+        )
+    if len(filename) > MAX_FILENAME_CHARS:
+        raise InvalidRequest(
+            f"the file name is longer than {MAX_FILENAME_CHARS} characters", param="file", code="invalid_file"
+        )
+    file_id = ids.file_id()
+    key = storage_key(tenant_id=tenant.id, file_id=file_id)
+    checker = _LineChecker()
+    try:
+        size = store.put_stream(key, _checked(source, checker), max_bytes=max_bytes)
+    except TooLarge:
+        raise PayloadTooLarge(
+            f"the file exceeds the upload limit of {max_bytes} bytes", param="file", code="file_too_large"
+        ) from None
+    row = File(
+        id=file_id,
+        tenant_id=tenant.id,
+        filename=filename or "upload.jsonl",
+        purpose=purpose,
+        bytes=size,
+        lines=checker.lines,
+        storage_key=key,
+        created_at=now(),
+        deleted=False,
+    )
+    try:
+        return files_repo.add(session, row=row)
+    except BaseException:
+        store.delete(key)  # the row did not make it: leave no orphan object
+        raise
+
+
+def get(*, session: Session, tenant: Tenant, file_id: str) -> File:
+    row = files_repo.get(session, tenant_id=tenant.id, file_id=file_id)
+    if row is None:
+        raise NotFound("file", file_id, param="file_id")
+    return row
+
+
+def page(
+    *,
+    session: Session,
+    tenant: Tenant,
+    purpose: str | None,
+    after: str | None,
+    limit: int,
+    order: Literal["asc", "desc"],
+) -> tuple[list[File], bool]:
+    cursor = None
+    if after is not None:
+        cursor = files_repo.get(session, tenant_id=tenant.id, file_id=after)
+        if cursor is None:
+            raise InvalidRequest(f"no such file: {after!r}", param="after")
+    return files_repo.page(session, tenant_id=tenant.id, purpose=purpose, after=cursor, limit=limit, order=order)
+
+
+def delete(*, session: Session, store: ArtifactStore, tenant: Tenant, file_id: str) -> File:
+    """Mark the file deleted and remove its bytes (as with OpenAI, a queued job that needs it will fail)."""
+    row = get(session=session, tenant=tenant, file_id=file_id)
+    files_repo.mark_deleted(session, row=row)
+    store.delete(row.storage_key)
+    return row
+
+
+def open_content(*, session: Session, store: ArtifactStore, tenant: Tenant, file_id: str) -> tuple[File, BinaryIO]:
+    """The file's row and an open stream over its bytes (the caller closes it)."""
+    row = get(session=session, tenant=tenant, file_id=file_id)
+    try:
+        return row, store.open(row.storage_key)
+    except ArtifactNotFound:
+        log.error("file %s has a row but no stored object at %s", row.id, row.storage_key)
+        raise NotFound("file content", file_id, param="file_id") from None

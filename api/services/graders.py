@@ -1,0 +1,57 @@
+"""OpenAI's grader dry-run: validate a grader, score one sample with it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from api.errors import InvalidRequest
+from api.schemas import GraderRunErrors, GraderRunMetadata, GraderRunResponse
+from trainer import graders
+
+
+def _parse(obj: dict[str, Any]) -> graders.Grader:
+    try:
+        return graders.parse_grader(obj)
+    except graders.GraderError as err:
+        # The message starts with the path of the offending field (``grader.graders.acc.operation: ...``).
+        path = str(err).split(":", 1)[0]
+        param = path if path.startswith("grader") and " " not in path else "grader"
+        raise InvalidRequest(str(err), param=param, code="invalid_grader") from None
+
+
+def validate(*, grader: dict[str, Any]) -> dict[str, Any]:
+    """The grader as it will run (defaults filled in); 400 naming the field when it is invalid."""
+    return _parse(grader).model_dump(mode="json", exclude_none=True)
+
+
+def _flags(messages: tuple[str, ...]) -> GraderRunErrors:
+    flags = GraderRunErrors()
+    for message in messages:
+        if " references {{item." in message:
+            flags.invalid_variable_error = True
+        elif "calculate_output" in message:
+            flags.formula_parse_error = True
+        else:
+            flags.other_error = True
+    return flags
+
+
+def run(*, grader: dict[str, Any], model_sample: str, item: dict[str, Any] | None) -> GraderRunResponse:
+    """Score ``model_sample`` against ``item`` as a training step would."""
+    parsed = _parse(grader)
+    start = time.perf_counter()
+    result = graders.grade(parsed, output_text=model_sample, item=item or {})
+    elapsed = time.perf_counter() - start
+    return GraderRunResponse(
+        reward=result.score,
+        metadata=GraderRunMetadata(
+            name=parsed.name,
+            type=parsed.type,
+            errors=_flags(result.errors),
+            execution_time=elapsed,
+            scores=dict(result.sub_scores),
+            error_messages=list(result.errors),
+        ),
+        sub_rewards=dict(result.sub_scores),
+    )

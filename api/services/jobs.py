@@ -1,0 +1,366 @@
+"""Fine-tuning jobs as the API drives them: create (validate the spec and the files, then enqueue), read, cancel,
+pause and resume, and the job's events, checkpoints, metrics, rollouts and adapters.
+
+The database row is the truth and the broker message only a wake-up call: a job is enqueued by task name
+(``proxima.jobs.run``) after the commit that made it ``queued``, so a worker never sees a job that is not there.
+If the broker is down the job stays ``queued`` with ``enqueued_at`` unset and the worker's sweeper enqueues it
+from the database later; the request does not fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import tempfile
+import time
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from celery import Celery  # type: ignore[import-untyped]
+from sqlalchemy.orm import Session
+
+from api import ids
+from api.errors import Conflict, InvalidRequest, NotFound
+from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Rollout, Tenant, now
+from api.repositories import files as files_repo
+from api.repositories import jobs as jobs_repo
+from api.schemas import TERMINAL_STATUSES, JobCreate
+from api.settings import Settings
+from api.storage import ArtifactStore
+from api.storage import NotFound as ArtifactNotFound
+from trainer.config import JobSpec, SpecError, parse_spec
+from trainer.data import DatasetError, load_prompts
+
+log = logging.getLogger("proxima.api.jobs")
+
+RUN_TASK = "proxima.jobs.run"
+ADAPTER_ARCHIVE = "adapter.tar.gz"
+
+
+# -- enqueueing -----------------------------------------------------------------------------------------------
+
+
+@lru_cache
+def celery_client(broker_url: str) -> Celery:
+    """A Celery app used only to publish by task name (the API never imports ``worker/``). Publishing gives up
+    fast when the broker is unreachable: the database, not the message, is what keeps a job alive."""
+    app = Celery("proxima-api", broker=broker_url, set_as_current=False)
+    app.conf.update(
+        broker_connection_timeout=2,
+        broker_connection_retry_on_startup=False,
+        task_publish_retry=True,
+        task_publish_retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2},
+    )
+    if broker_url.startswith(("redis://", "rediss://")):
+        app.conf.broker_transport_options = {"socket_connect_timeout": 2, "socket_timeout": 5}
+    return app
+
+
+def enqueue(*, settings: Settings, job_id: str) -> bool:
+    """Publish the job's wake-up call; False (and a warning) when the broker cannot be reached."""
+    try:
+        celery_client(settings.celery_broker_url).send_task(RUN_TASK, args=[job_id])
+    except Exception as err:  # any broker failure: the sweeper re-enqueues queued jobs from the database
+        log.warning(
+            "could not enqueue job %s (%s: %s); it stays queued for the sweeper", job_id, type(err).__name__, err
+        )
+        return False
+    return True
+
+
+def _commit_and_enqueue(*, session: Session, settings: Settings, job: Job) -> None:
+    """Commit the row first, then publish; record ``enqueued_at`` (committed at the request boundary)."""
+    session.commit()
+    if enqueue(settings=settings, job_id=job.id):
+        job.enqueued_at = time.time()
+
+
+# -- create ---------------------------------------------------------------------------------------------------
+
+
+def _spec_input(body: JobCreate) -> dict[str, Any]:
+    """The body as ``parse_spec`` takes it: OpenAI's deprecated top-level ``hyperparameters`` moved under the
+    method, ``integrations`` refused unless empty, a random seed when none is given (as OpenAI does)."""
+    if body.integrations:
+        raise InvalidRequest("integrations are not supported", param="integrations", code="invalid_integrations")
+    raw: dict[str, Any] = {"model": body.model, "training_file": body.training_file}
+    for name in ("validation_file", "suffix", "metadata", "method"):
+        if (value := getattr(body, name)) is not None:
+            raw[name] = value
+    raw["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    if body.hyperparameters is not None:
+        method = raw.get("method")
+        mtype = method.get("type") if isinstance(method, dict) else None
+        if not isinstance(mtype, str):
+            raise InvalidRequest("top-level hyperparameters need a method with a type", param="method")
+        block = method.get(mtype)  # type: ignore[union-attr]
+        block = dict(block) if isinstance(block, dict) else {}
+        if block.get("hyperparameters"):
+            raise InvalidRequest(
+                f"give hyperparameters under method.{mtype}.hyperparameters only (the top-level field is deprecated)",
+                param="hyperparameters",
+            )
+        block["hyperparameters"] = body.hyperparameters
+        raw["method"] = {**method, mtype: block}  # type: ignore[dict-item]
+    return raw
+
+
+def _dataset_file(session: Session, *, tenant: Tenant, file_id: str, param: str) -> File:
+    row = files_repo.get(session, tenant_id=tenant.id, file_id=file_id)
+    if row is None:  # another tenant's file does not exist either
+        raise InvalidRequest(f"No such file: '{file_id}'", param=param, code="file_not_found")
+    if row.purpose != "fine-tune":
+        raise InvalidRequest(
+            f"file '{file_id}' has purpose {row.purpose!r}; a dataset needs purpose 'fine-tune'",
+            param=param,
+            code="invalid_file_purpose",
+        )
+    return row
+
+
+def _check_dataset(store: ArtifactStore, row: File, spec: JobSpec) -> None:
+    """Validate every line against the method's format (design §4); raises DatasetError naming the line.
+
+    Every method this deployment offers is online RL, whose data are prompts whose fields feed the grader's
+    templates; preference and supervised formats join here with their methods."""
+    with tempfile.TemporaryDirectory(prefix="proxima-validate-") as tmp:
+        path = Path(tmp) / "data.jsonl"
+        try:
+            store.get_to_path(row.storage_key, path)
+        except ArtifactNotFound:
+            raise DatasetError("the file's contents are missing from the artifact store") from None
+        load_prompts(path, grader=spec.method.grader)
+
+
+def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant: Tenant, body: JobCreate) -> Job:
+    """Validate the spec and the files, write the job and enqueue it.
+
+    Unlike other services this one commits (through the request's session) before publishing, because a worker
+    must find the queued row when the message arrives. A dataset that does not fit the method fails the job
+    (status ``failed``, ``error`` naming the line) instead of the request, as OpenAI's ``validating_files`` does.
+    """
+    try:
+        spec = parse_spec(_spec_input(body))
+    except SpecError as err:
+        raise InvalidRequest(str(err), param=err.param, code="invalid_spec") from None
+    if spec.model not in settings.base_models:
+        raise InvalidRequest(
+            f"model {spec.model!r} is not available; offered: {', '.join(settings.base_models)}",
+            param="model",
+            code="model_not_available",
+        )
+    datasets = [
+        ("training_file", _dataset_file(session, tenant=tenant, file_id=spec.training_file, param="training_file"))
+    ]
+    if spec.validation_file is not None:
+        datasets.append(
+            (
+                "validation_file",
+                _dataset_file(session, tenant=tenant, file_id=spec.validation_file, param="validation_file"),
+            )
+        )
+
+    job = jobs_repo.add(
+        session,
+        row=Job(
+            id=ids.job_id(),
+            tenant_id=tenant.id,
+            model=spec.model,
+            training_file=spec.training_file,
+            validation_file=spec.validation_file,
+            status="validating_files",
+            spec=spec.to_json(),
+            seed=spec.seed,
+            suffix=spec.suffix,
+            metadata_=spec.metadata,
+            result_files=[],
+            created_at=now(),
+            current_step=0,
+        ),
+    )
+    jobs_repo.add_event(session, job_id=job.id, level="info", message="Created fine-tuning job")
+    for param, row in datasets:
+        try:
+            _check_dataset(store, row, spec)
+        except DatasetError as err:
+            where = f"line {err.line}: " if err.line else ""
+            message = f"{param} {row.id} is invalid: {where}{err.detail}"
+            job.status, job.finished_at = "failed", now()
+            job.error = {"code": f"invalid_{param}", "message": message, "param": param}
+            jobs_repo.add_event(session, job_id=job.id, level="error", message=message)
+            session.commit()
+            return job
+    job.status = "queued"
+    jobs_repo.add_event(session, job_id=job.id, level="info", message="Validated files; job queued")
+    _commit_and_enqueue(session=session, settings=settings, job=job)
+    return job
+
+
+# -- read -----------------------------------------------------------------------------------------------------
+
+
+def get(*, session: Session, tenant: Tenant, job_id: str) -> Job:
+    job = jobs_repo.get(session, tenant_id=tenant.id, job_id=job_id)
+    if job is None:
+        raise NotFound("fine-tuning job", job_id, param="fine_tuning_job_id")
+    return job
+
+
+def page(
+    *,
+    session: Session,
+    tenant: Tenant,
+    after: str | None,
+    limit: int,
+    metadata: Mapping[str, str] | None,
+    metadata_null: bool,
+) -> tuple[list[Job], bool]:
+    cursor = None
+    if after is not None:
+        cursor = jobs_repo.get(session, tenant_id=tenant.id, job_id=after)
+        if cursor is None:
+            raise InvalidRequest(f"no such fine-tuning job: {after!r}", param="after")
+    return jobs_repo.page(
+        session, tenant_id=tenant.id, after=cursor, limit=limit, metadata=metadata, metadata_null=metadata_null
+    )
+
+
+# -- control --------------------------------------------------------------------------------------------------
+
+_NOT_STARTED = ("validating_files", "queued", "paused")
+
+
+def cancel(*, session: Session, tenant: Tenant, job_id: str) -> Job:
+    """A job no worker runs is cancelled now; a running one is asked to stop (the worker ends it within a step)."""
+    job = get(session=session, tenant=tenant, job_id=job_id)
+    if job.status in TERMINAL_STATUSES:
+        raise Conflict(f"job {job_id} is already {job.status}", param="fine_tuning_job_id", code="job_not_cancellable")
+    # cancel_requested is set in every case, so that a worker that claims the job meanwhile stops it too.
+    stamp = now()
+    if jobs_repo.transition(
+        session,
+        job=job,
+        from_statuses=_NOT_STARTED,
+        status="cancelled",
+        finished_at=stamp,
+        cancel_requested=True,
+        pause_requested=False,
+        estimated_finish=None,
+    ):
+        jobs_repo.add_event(session, job_id=job.id, level="info", message="Fine-tuning job cancelled")
+    elif jobs_repo.transition(session, job=job, from_statuses=("running",), cancel_requested=True):
+        jobs_repo.add_event(
+            session,
+            job_id=job.id,
+            level="info",
+            message="Cancellation requested; the job stops within one training step",
+        )
+    elif job.status in TERMINAL_STATUSES:  # it finished between the read and the update
+        raise Conflict(f"job {job_id} is already {job.status}", param="fine_tuning_job_id", code="job_not_cancellable")
+    return job
+
+
+def pause(*, session: Session, tenant: Tenant, job_id: str) -> Job:
+    """A queued job pauses now; a running one pauses at its next checkpoint (the worker sets ``paused``)."""
+    job = get(session=session, tenant=tenant, job_id=job_id)
+    if job.status == "paused" or (job.status == "running" and job.pause_requested):
+        return job
+    if jobs_repo.transition(session, job=job, from_statuses=("validating_files", "queued"), status="paused"):
+        jobs_repo.add_event(session, job_id=job.id, level="info", message="Fine-tuning job paused")
+    elif jobs_repo.transition(session, job=job, from_statuses=("running",), pause_requested=True):
+        jobs_repo.add_event(
+            session, job_id=job.id, level="info", message="Pause requested; the job pauses at its next checkpoint"
+        )
+    elif job.status != "paused":
+        raise Conflict(
+            f"job {job_id} is {job.status} and cannot be paused", param="fine_tuning_job_id", code="job_not_pausable"
+        )
+    return job
+
+
+def resume(*, session: Session, settings: Settings, tenant: Tenant, job_id: str) -> Job:
+    """A paused job is queued again (and continues from its latest checkpoint); a pending pause is withdrawn."""
+    job = get(session=session, tenant=tenant, job_id=job_id)
+    if job.status == "running":
+        if job.pause_requested and jobs_repo.transition(
+            session, job=job, from_statuses=("running",), pause_requested=False
+        ):
+            jobs_repo.add_event(session, job_id=job.id, level="info", message="Pause withdrawn")
+        return job
+    if not jobs_repo.transition(
+        session, job=job, from_statuses=("paused",), status="queued", pause_requested=False, enqueued_at=None
+    ):
+        raise Conflict(f"job {job_id} is {job.status}, not paused", param="fine_tuning_job_id", code="job_not_paused")
+    jobs_repo.add_event(session, job_id=job.id, level="info", message="Fine-tuning job resumed; job queued")
+    _commit_and_enqueue(session=session, settings=settings, job=job)
+    return job
+
+
+# -- what a job produced --------------------------------------------------------------------------------------
+
+
+def events(
+    *, session: Session, tenant: Tenant, job_id: str, after: str | None, limit: int
+) -> tuple[list[JobEvent], bool]:
+    job = get(session=session, tenant=tenant, job_id=job_id)
+    cursor = None
+    if after is not None:
+        cursor = jobs_repo.get_event(session, job_id=job.id, event_id=after)
+        if cursor is None:
+            raise InvalidRequest(f"no such event: {after!r}", param="after")
+    return jobs_repo.events_page(session, job_id=job.id, after=cursor, limit=limit)
+
+
+def checkpoints(
+    *, session: Session, tenant: Tenant, job_id: str, after: str | None, limit: int
+) -> tuple[Job, list[Checkpoint], bool]:
+    job = get(session=session, tenant=tenant, job_id=job_id)
+    cursor = None
+    if after is not None:
+        cursor = jobs_repo.get_checkpoint(session, job_id=job.id, checkpoint_id=after)
+        if cursor is None:
+            raise InvalidRequest(f"no such checkpoint: {after!r}", param="after")
+    rows, has_more = jobs_repo.checkpoints_page(session, job_id=job.id, after=cursor, limit=limit)
+    return job, rows, has_more
+
+
+def metrics(
+    *, session: Session, tenant: Tenant, job_id: str, after_step: int | None, limit: int | None
+) -> tuple[list[JobMetric], bool]:
+    job = get(session=session, tenant=tenant, job_id=job_id)
+    rows = jobs_repo.metrics(session, job_id=job.id, after_step=after_step, limit=None if limit is None else limit + 1)
+    if limit is not None and len(rows) > limit:
+        return rows[:limit], True
+    return rows, False
+
+
+def rollouts(
+    *, session: Session, tenant: Tenant, job_id: str, step: int | None
+) -> tuple[int | None, list[int], list[Rollout]]:
+    """(step shown, steps with rollouts, the step's rollouts); the latest step when none is asked for."""
+    job = get(session=session, tenant=tenant, job_id=job_id)
+    steps = jobs_repo.rollout_steps(session, job_id=job.id)
+    if step is None:
+        step = steps[-1] if steps else None
+    elif step not in steps:
+        raise NotFound("rollouts for step", str(step), param="step")
+    rows = jobs_repo.rollouts(session, job_id=job.id, step=step) if step is not None else []
+    return step, steps, rows
+
+
+def open_adapter(
+    *, session: Session, store: ArtifactStore, tenant: Tenant, job_id: str, checkpoint_id: str
+) -> tuple[Job, Checkpoint, BinaryIO]:
+    """The checkpoint's PEFT adapter archive, open for streaming (the caller closes it)."""
+    job = get(session=session, tenant=tenant, job_id=job_id)
+    ckpt = jobs_repo.get_checkpoint(session, job_id=job.id, checkpoint_id=checkpoint_id)
+    if ckpt is None:
+        raise NotFound("checkpoint", checkpoint_id, param="checkpoint_id")
+    key = f"{ckpt.storage_key.rstrip('/')}/{ADAPTER_ARCHIVE}"
+    try:
+        return job, ckpt, store.open(key)
+    except ArtifactNotFound:
+        log.error("checkpoint %s of job %s has no adapter archive at %s", ckpt.id, job.id, key)
+        raise NotFound("adapter archive for checkpoint", checkpoint_id, param="checkpoint_id") from None

@@ -1,0 +1,161 @@
+"""``/v1/files`` over HTTP: upload validation line by line, size limit, listing, content, delete."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from tests.integration.conftest import MAX_UPLOAD_BYTES, Tenant, assert_error, jsonl, prompts, upload
+
+
+def stored_keys(store: Any, tenant: Tenant) -> list[str]:
+    return list(store.list(f"files/{tenant.id}"))
+
+
+class TestUpload:
+    def test_valid_jsonl_is_stored_with_its_line_count(
+        self, api: httpx.Client, artifact_store: Any, tenant_a: Tenant
+    ) -> None:
+        content = jsonl(prompts(3)) + b"\n"  # a trailing blank line is not a record
+        r = api.post("/v1/files", files={"file": ("train.jsonl", content)}, data={"purpose": "fine-tune"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "file" and body["id"].startswith("file-")
+        assert body["bytes"] == len(content) and body["lines"] == 3
+        assert body["filename"] == "train.jsonl" and body["purpose"] == "fine-tune"
+        assert body["status"] == "processed" and isinstance(body["created_at"], int)
+        assert artifact_store.get_bytes(f"files/{tenant_a.id}/{body['id']}.jsonl") == content
+
+    def test_line_that_is_not_json_is_a_400_naming_the_line(
+        self, api: httpx.Client, artifact_store: Any, tenant_a: Tenant
+    ) -> None:
+        before = stored_keys(artifact_store, tenant_a)
+        content = jsonl(prompts(2)) + b"{not json\n" + jsonl(prompts(1))
+        assert_error(upload(api, content), 400, param="file", message_contains="line 3: not valid JSON")
+        assert stored_keys(artifact_store, tenant_a) == before
+
+    def test_line_that_is_not_an_object_is_a_400_naming_the_line(self, api: httpx.Client) -> None:
+        content = jsonl(prompts(1)) + b"[1, 2]\n"
+        assert_error(upload(api, content), 400, param="file", message_contains="line 2: expected a JSON object")
+
+    def test_unterminated_last_line_is_checked(self, api: httpx.Client) -> None:
+        row = {"prompt": "x" * 5000, "answer": "1"}
+        content = jsonl([row] * 5) + b'{"prompt": "' + b"y" * 3000 + b"\n"
+        assert_error(upload(api, content), 400, param="file", message_contains="line 6")
+
+    def test_empty_file_is_a_400(self, api: httpx.Client) -> None:
+        assert_error(upload(api, b"\n\n"), 400, param="file", message_contains="empty")
+
+    def test_invalid_utf8_is_a_400_naming_the_line(self, api: httpx.Client) -> None:
+        assert_error(upload(api, b'{"a": "\xff"}\n'), 400, param="file", message_contains="line 1")
+
+    def test_wrong_purpose_is_a_400_naming_purpose(self, api: httpx.Client) -> None:
+        assert_error(upload(api, jsonl(prompts(1)), purpose="assistants"), 400, param="purpose")
+
+    def test_missing_purpose_is_a_400_naming_purpose(self, api: httpx.Client) -> None:
+        r = api.post("/v1/files", files={"file": ("t.jsonl", jsonl(prompts(1)))})
+        assert_error(r, 400, param="purpose")
+
+    def test_over_the_limit_while_streaming_is_413_and_stores_nothing(
+        self, api: httpx.Client, artifact_store: Any, tenant_a: Tenant
+    ) -> None:
+        before_keys, before_files = stored_keys(artifact_store, tenant_a), api.get("/v1/files").json()["data"]
+        row = json.dumps({"prompt": "p" * 1000, "answer": "1"}).encode() + b"\n"
+        content = row * (MAX_UPLOAD_BYTES // len(row) + 2)  # just over: passes the declared-length guard
+        assert MAX_UPLOAD_BYTES < len(content) < MAX_UPLOAD_BYTES + 16 * 1024
+        assert_error(upload(api, content), 413, param="file", code="file_too_large")
+        assert stored_keys(artifact_store, tenant_a) == before_keys
+        assert api.get("/v1/files").json()["data"] == before_files
+
+    def test_declared_length_far_over_the_limit_is_413_before_reading(self, api: httpx.Client) -> None:
+        content = b'{"prompt": "p"}\n' * (MAX_UPLOAD_BYTES // 8)
+        assert_error(upload(api, content), 413, code="file_too_large")
+
+    def test_exactly_at_the_limit_is_accepted(self, api: httpx.Client) -> None:
+        line = b'{"prompt": "' + b"p" * 1000 + b'"}\n'
+        n = MAX_UPLOAD_BYTES // len(line)
+        last = b'{"prompt": "' + b"q" * (MAX_UPLOAD_BYTES - n * len(line) - 15) + b'"}\n'
+        content = line * n + last
+        assert len(content) == MAX_UPLOAD_BYTES
+        r = upload(api, content)
+        assert r.status_code == 200, r.text
+        assert r.json()["lines"] == n + 1
+
+
+def test_line_checker_joins_lines_split_across_chunks() -> None:
+    from api.errors import InvalidRequest
+    from api.services.files import _LineChecker
+
+    content = jsonl(prompts(3)) + b"\n" + b'{"prompt": "a"}'
+    checker = _LineChecker()
+    for i in range(len(content)):
+        checker.feed(content[i : i + 1])
+    checker.close()
+    assert checker.lines == 4
+
+    checker = _LineChecker()
+    bad = jsonl(prompts(2)) + b"[]\n"
+    try:
+        for i in range(0, len(bad), 7):
+            checker.feed(bad[i : i + 7])
+        checker.close()
+    except InvalidRequest as err:
+        assert err.message.startswith("line 3:")
+    else:
+        raise AssertionError("a non-object line was accepted")
+
+
+class TestListRetrieveDelete:
+    def test_list_pages_with_after_and_limit_newest_first(self, api: httpx.Client) -> None:
+        ids = [upload(api, jsonl(prompts(1)), filename=f"f{i}.jsonl").json()["id"] for i in range(3)]
+        listed = api.get("/v1/files", params={"limit": 1000}).json()
+        assert listed["object"] == "list" and listed["has_more"] is False
+        all_ids = [f["id"] for f in listed["data"]]
+        assert set(ids) <= set(all_ids)
+        assert listed["first_id"] == all_ids[0] and listed["last_id"] == all_ids[-1]
+        created = [f["created_at"] for f in listed["data"]]
+        assert created == sorted(created, reverse=True)
+
+        page1 = api.get("/v1/files", params={"limit": 2}).json()
+        assert len(page1["data"]) == 2 and page1["has_more"] is True
+        page2 = api.get("/v1/files", params={"limit": 1000, "after": page1["last_id"]}).json()
+        assert [f["id"] for f in page1["data"] + page2["data"]] == all_ids
+
+        asc = api.get("/v1/files", params={"order": "asc", "limit": 1000}).json()
+        assert [f["id"] for f in asc["data"]] == list(reversed(all_ids))
+
+    def test_list_filters_by_purpose(self, api: httpx.Client, training_file: str) -> None:
+        assert api.get("/v1/files", params={"purpose": "batch"}).json()["data"] == []
+        ids = [f["id"] for f in api.get("/v1/files", params={"purpose": "fine-tune"}).json()["data"]]
+        assert training_file in ids
+
+    def test_bad_list_parameters_are_400s(self, api: httpx.Client) -> None:
+        assert_error(api.get("/v1/files", params={"limit": 0}), 400, param="limit")
+        assert_error(api.get("/v1/files", params={"order": "sideways"}), 400, param="order")
+        assert_error(api.get("/v1/files", params={"after": "file-nope"}), 400, param="after")
+
+    def test_retrieve_and_content_round_trip(self, api: httpx.Client) -> None:
+        content = jsonl(prompts(2))
+        file_id = upload(api, content, filename="naïve name.jsonl").json()["id"]
+        got = api.get(f"/v1/files/{file_id}").json()
+        assert got["id"] == file_id and got["filename"] == "naïve name.jsonl"
+        r = api.get(f"/v1/files/{file_id}/content")
+        assert r.status_code == 200 and r.content == content
+        assert "attachment" in r.headers["content-disposition"]
+
+    def test_delete_hides_the_file_and_removes_its_bytes(
+        self, api: httpx.Client, artifact_store: Any, tenant_a: Tenant
+    ) -> None:
+        file_id = upload(api, jsonl(prompts(1))).json()["id"]
+        r = api.delete(f"/v1/files/{file_id}")
+        assert r.status_code == 200 and r.json() == {"id": file_id, "object": "file", "deleted": True}
+        assert_error(api.get(f"/v1/files/{file_id}"), 404, code="not_found")
+        assert_error(api.get(f"/v1/files/{file_id}/content"), 404)
+        assert_error(api.delete(f"/v1/files/{file_id}"), 404)
+        assert not artifact_store.exists(f"files/{tenant_a.id}/{file_id}.jsonl")
+        assert file_id not in [f["id"] for f in api.get("/v1/files").json()["data"]]
+
+    def test_unknown_file_is_a_404_with_the_envelope(self, api: httpx.Client) -> None:
+        assert_error(api.get("/v1/files/file-doesnotexist"), 404, code="not_found")
