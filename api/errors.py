@@ -68,8 +68,9 @@ def install(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "form")]
         param = ".".join(loc) or None
         msg = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid request")
-        return JSONResponse(envelope(f"{param}: {msg}" if param else msg, "invalid_request_error", param, None),
-                            status_code=400)
+        return JSONResponse(
+            envelope(f"{param}: {msg}" if param else msg, "invalid_request_error", param, None), status_code=400
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:

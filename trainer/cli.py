@@ -239,64 +239,6 @@ def datasets_arithmetic(
         print(path)
 
 
-@app.command()
-def demo(
-    workdir: Annotated[Path, typer.Option(help="where the demo writes its data and run")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(help="training steps")] = 40,
-) -> None:
-    """The README's main job, locally: build tiny-arith, write the dataset, train GRPO, compare accuracy."""
-    from trainer import tiny_arith
-    from trainer.config import parse_spec
-
-    models_build(tiny_arith.MODEL_NAME, seed=0)
-    data_dir = workdir / "data"
-    tiny_arith.write_arithmetic_datasets(data_dir)
-    grader = {
-        "type": "string_check",
-        "name": "accuracy",
-        "input": "{{sample.output_text}}",
-        "reference": "{{item.answer}}",
-        "operation": "eq",
-    }
-    spec = parse_spec(
-        {
-            "model": tiny_arith.MODEL_NAME,
-            "training_file": str(data_dir / "train.jsonl"),
-            "validation_file": str(data_dir / "validation.jsonl"),
-            "seed": 0,
-            "method": {
-                "type": "grpo",
-                "grpo": {
-                    "grader": grader,
-                    "hyperparameters": {
-                        "max_steps": steps,
-                        "batch_size": 8,
-                        "group_size": 8,
-                        "learning_rate": 3e-4,
-                        "beta": 0.04,
-                        "max_completion_tokens": 8,
-                        "eval_interval": 10,
-                        "checkpoint_interval": 10,
-                    },
-                },
-            },
-        }
-    )
-    run_dir = workdir / "run"
-    import shutil
-
-    shutil.rmtree(run_dir, ignore_errors=True)
-    console.print(f"training GRPO on {tiny_arith.MODEL_NAME} for {steps} steps → {run_dir}")
-    result = run_training(spec, run_dir)
-    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    base_acc = rows[0][M.VAL_REWARD_MEAN]  # step 0: the base model, evaluated exactly as the trained one
-    final_acc = result.final_metrics[M.VAL_REWARD_MEAN]
-    console.print(
-        f"validation greedy accuracy: base {base_acc:.3f} → trained {final_acc:.3f} "
-        f"({result.last_step} steps, adapter at {result.adapter_dir})"
-    )
-
-
 def main() -> None:  # pragma: no cover
     sys.exit(app())
 

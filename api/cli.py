@@ -1,0 +1,437 @@
+"""``proxima``'s service commands: serve, worker, keys, db, and REST clients for files and jobs (design §7).
+
+The trainer's local commands (train, eval, models, datasets) come from ``trainer.cli`` and are mounted on the same
+application, so one console script covers both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+from trainer import metrics as M
+from trainer.cli import app, console
+
+files_app = typer.Typer(help="Datasets on a Proxima server (REST).", no_args_is_help=True)
+jobs_app = typer.Typer(help="Fine-tuning jobs on a Proxima server (REST).", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys (admin, on the server's machine).", no_args_is_help=True)
+db_app = typer.Typer(help="The service database.", no_args_is_help=True)
+app.add_typer(files_app, name="files")
+app.add_typer(jobs_app, name="jobs")
+app.add_typer(keys_app, name="keys")
+app.add_typer(db_app, name="db")
+
+LOCAL_KEY_FILE = "local_api_key"
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def _settings() -> Any:
+    from api.settings import get_settings
+
+    return get_settings()
+
+
+def local_key_path() -> Path:
+    return _settings().home / LOCAL_KEY_FILE
+
+
+def ensure_local_key() -> str:
+    """On the embedded default, a key for tenant ``local`` is created on first start and kept (mode 600)."""
+    from api.auth import create_key
+    from api.db import session_scope
+
+    path = local_key_path()
+    if path.exists():
+        return path.read_text().strip()
+    with session_scope(_settings().db_url) as session:
+        _, key = create_key(session, tenant_name="local")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return key
+
+
+def prepare_database() -> None:
+    from api.migrate import upgrade
+
+    s = _settings()
+    s.home.mkdir(parents=True, exist_ok=True)
+    if s.database_url is None or s.run_migrations:  # the embedded SQLite database is ours to migrate
+        upgrade(s.db_url)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """Apply Alembic migrations to the configured database."""
+    from api.migrate import upgrade
+
+    upgrade(_settings().db_url, revision)
+    console.print(f"database at {revision}")
+
+
+@keys_app.command("create")
+def keys_create(tenant: Annotated[str, typer.Option(help="tenant name (created when new)")]) -> None:
+    """Print a new API key for a tenant."""
+    from api.auth import create_key
+    from api.db import session_scope
+
+    prepare_database()
+    with session_scope(_settings().db_url) as session:
+        t, key = create_key(session, tenant_name=tenant)
+    console.print(f"tenant {t.name} ({t.id})")
+    print(key)
+
+
+@app.command()
+def worker(
+    concurrency: Annotated[int, typer.Option(help="jobs at a time (one per GPU)")] = 1,
+    hostname: Annotated[str | None, typer.Option(help="worker name")] = None,
+) -> None:
+    """A Celery worker alone (one per GPU in production)."""
+    from worker.main import run_worker
+
+    prepare_database()
+    run_worker(_settings(), concurrency=concurrency, hostname=hostname)
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="bind address (default PROXIMA_HOST or 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default PROXIMA_PORT or 8000)")] = None,
+    no_worker: Annotated[bool, typer.Option("--no-worker", help="serve the API only")] = False,
+) -> None:
+    """The API and (unless --no-worker) one worker, on the configured or the embedded backends."""
+    import uvicorn
+
+    from api.app import create_app
+
+    s = _settings()
+    prepare_database()
+    if s.embedded:
+        key = ensure_local_key()
+        console.print(f"embedded backends under {s.home}; local API key: {key}")
+    child = None
+    if not no_worker:
+        child = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=os.environ.copy())
+    try:
+        uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_level="warning")
+    finally:
+        if child is not None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+# -- REST clients ---------------------------------------------------------------------------------------------
+
+ApiBase = Annotated[str | None, typer.Option("--api-base", envvar="PROXIMA_API_BASE", help="server URL")]
+ApiKey = Annotated[str | None, typer.Option("--api-key", envvar="PROXIMA_API_KEY", help="API key")]
+
+
+class Client:
+    """A thin REST client; errors print OpenAI's envelope message and exit 2."""
+
+    def __init__(self, base: str | None, key: str | None) -> None:
+        s = _settings()
+        self.base = (base or f"http://{s.host}:{s.port}").rstrip("/")
+        if key is None and local_key_path().exists():
+            key = local_key_path().read_text().strip()
+        if not key:
+            console.print("[red]error:[/red] no API key: pass --api-key or set PROXIMA_API_KEY")
+            raise typer.Exit(2)
+        self.http = httpx.Client(
+            base_url=self.base + "/v1",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=httpx.Timeout(60.0, connect=10.0),
+        )
+
+    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.HTTPError as err:
+            console.print(f"[red]error:[/red] cannot reach {self.base}: {err}")
+            raise typer.Exit(2) from None
+        if r.status_code >= 400:
+            try:
+                e = r.json()["error"]
+                msg = e["message"] + (f" (param: {e['param']})" if e.get("param") else "")
+            except (ValueError, KeyError, TypeError):
+                msg = r.text
+            console.print(f"[red]error {r.status_code}:[/red] {msg}")
+            raise typer.Exit(2)
+        return r
+
+    def json(self, method: str, path: str, **kw: Any) -> Any:
+        return self.request(method, path, **kw).json()
+
+
+def _print(obj: Any) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+@files_app.command("upload")
+def files_upload(path: Path, purpose: str = "fine-tune", api_base: ApiBase = None, api_key: ApiKey = None) -> None:
+    """Upload a JSONL dataset; prints the file object."""
+    c = Client(api_base, api_key)
+    with path.open("rb") as f:
+        _print(c.json("POST", "/files", files={"file": (path.name, f, "application/jsonl")}, data={"purpose": purpose}))
+
+
+@files_app.command("list")
+def files_list(api_base: ApiBase = None, api_key: ApiKey = None) -> None:
+    c = Client(api_base, api_key)
+    for f in c.json("GET", "/files")["data"]:
+        print(f"{f['id']}  {f['purpose']:<20} {f['bytes']:>10}  {f['filename']}")
+
+
+@jobs_app.command("create")
+def jobs_create(
+    spec: Annotated[Path, typer.Argument(help="job body (JSON or YAML) with file ids")],
+    api_base: ApiBase = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Create a job from a spec whose files are file ids; prints the job."""
+    import yaml
+
+    c = Client(api_base, api_key)
+    _print(c.json("POST", "/fine_tuning/jobs", json=yaml.safe_load(spec.read_text())))
+
+
+@jobs_app.command("list")
+def jobs_list(limit: int = 20, api_base: ApiBase = None, api_key: ApiKey = None) -> None:
+    c = Client(api_base, api_key)
+    for j in c.json("GET", "/fine_tuning/jobs", params={"limit": limit})["data"]:
+        method = j.get("method", {}).get("type", "")
+        print(f"{j['id']}  {j['status']:<16} {method:<10} {j['model']}")
+
+
+@jobs_app.command("get")
+def jobs_get(job_id: str, api_base: ApiBase = None, api_key: ApiKey = None) -> None:
+    _print(Client(api_base, api_key).json("GET", f"/fine_tuning/jobs/{job_id}"))
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: str, api_base: ApiBase = None, api_key: ApiKey = None) -> None:
+    _print(Client(api_base, api_key).json("POST", f"/fine_tuning/jobs/{job_id}/cancel"))
+
+
+def follow_job(c: Client, job_id: str, *, poll: float = 1.0) -> dict[str, Any]:
+    """Print a live progress line (step, reward, KL, ETA) and new events until the job ends; returns the job."""
+    seen_events: set[str] = set()
+    last_step = 0
+    while True:
+        job = c.json("GET", f"/fine_tuning/jobs/{job_id}")
+        events = c.json("GET", f"/fine_tuning/jobs/{job_id}/events", params={"limit": 50})["data"]
+        for e in reversed(events):
+            if e["id"] not in seen_events:
+                seen_events.add(e["id"])
+                if e.get("type", "message") == "message":
+                    console.print(f"[dim]{e['level']}[/dim] {e['message']}")
+        rows = c.json("GET", f"/fine_tuning/jobs/{job_id}/metrics", params={"after_step": last_step})["data"]
+        for row in rows:
+            m = row["metrics"]
+            last_step = max(last_step, row["step"])
+            if row["step"] == 0:
+                continue
+            eta = job.get("estimated_finish")
+            eta_s = f"  eta {max(0, int(eta - time.time()))}s" if eta else ""
+            kl = f"  kl {m[M.KL_MEAN]:.4f}" if M.KL_MEAN in m else ""
+            console.print(
+                f"step {row['step']}/{job.get('total_steps') or '?'}  reward {m.get(M.REWARD_MEAN, 0.0):.3f}{kl}{eta_s}"
+            )
+        if job["status"] in TERMINAL:
+            return job
+        time.sleep(poll)
+
+
+@jobs_app.command("follow")
+def jobs_follow(job_id: str, api_base: ApiBase = None, api_key: ApiKey = None) -> None:
+    """Follow a job live until it ends."""
+    job = follow_job(Client(api_base, api_key), job_id)
+    console.print(f"{job['id']}: {job['status']}" + (f" ({job['error']['message']})" if job.get("error") else ""))
+    if job["status"] != "succeeded":
+        raise typer.Exit(1)
+
+
+@jobs_app.command("download")
+def jobs_download(
+    job_id: str,
+    output: Annotated[Path, typer.Option("--output", "-o")] = Path("adapter.tar.gz"),
+    checkpoint: Annotated[str | None, typer.Option(help="a checkpoint id; default: final")] = None,
+    api_base: ApiBase = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Download the final adapter archive (or a checkpoint's)."""
+    c = Client(api_base, api_key)
+    download_adapter(c, job_id, output, checkpoint=checkpoint)
+    print(output)
+
+
+def download_adapter(c: Client, job_id: str, output: Path, *, checkpoint: str | None = None) -> Path:
+    if checkpoint is None:
+        job = c.json("GET", f"/fine_tuning/jobs/{job_id}")
+        if job["status"] != "succeeded":
+            console.print(f"[red]error:[/red] job {job_id} is {job['status']}; pass --checkpoint for a checkpoint")
+            raise typer.Exit(2)
+        files = [c.json("GET", f"/files/{fid}") for fid in job["result_files"]]
+        target = next(f for f in files if f["filename"].endswith(".tar.gz"))
+        path = f"/files/{target['id']}/content"
+    else:
+        path = f"/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint}/adapter"
+    with c.http.stream("GET", path) as r, output.open("wb") as f:
+        if r.status_code >= 400:
+            console.print(f"[red]error {r.status_code}:[/red] {r.read().decode(errors='replace')}")
+            raise typer.Exit(2)
+        for chunk in r.iter_bytes():
+            f.write(chunk)
+    return output
+
+
+# -- the README's main job ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@app.command()
+def demo(
+    workdir: Annotated[Path, typer.Option(help="where the demo writes its data and downloads")] = Path("runs/demo"),
+    steps: Annotated[int, typer.Option(help="training steps")] = 40,
+) -> None:
+    """The main job end to end on the embedded default: build tiny-arith, start the service, upload the dataset,
+    create a GRPO job over REST, follow it live, download the adapter, compare base and trained accuracy."""
+    import tarfile
+
+    from trainer import tiny_arith
+    from trainer.cli import models_build
+
+    models_build(tiny_arith.MODEL_NAME, seed=0)
+    data = workdir / "data"
+    tiny_arith.write_arithmetic_datasets(data)
+    port = _free_port()
+    env = {**os.environ, "PROXIMA_PORT": str(port)}
+    log = (workdir / "server.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "api.cli", "serve"], env=env, stdout=log, stderr=log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                console.print(f"[red]error:[/red] the server did not start; see {workdir / 'server.log'}")
+                raise typer.Exit(2)
+            time.sleep(0.5)
+        console.print(f"service up at {base} (embedded SQLite, broker and artifact folder under {_settings().home})")
+        c = Client(base, None)
+        ids = {}
+        for name in ("train", "validation"):
+            with (data / f"{name}.jsonl").open("rb") as f:
+                ids[name] = c.json(
+                    "POST", "/files", files={"file": (f"{name}.jsonl", f)}, data={"purpose": "fine-tune"}
+                )["id"]
+        console.print(f"uploaded train {ids['train']} and validation {ids['validation']}")
+        grader = {
+            "type": "string_check",
+            "name": "accuracy",
+            "input": "{{sample.output_text}}",
+            "reference": "{{item.answer}}",
+            "operation": "eq",
+        }
+        job = c.json(
+            "POST",
+            "/fine_tuning/jobs",
+            json={
+                "model": tiny_arith.MODEL_NAME,
+                "training_file": ids["train"],
+                "validation_file": ids["validation"],
+                "suffix": "demo",
+                "seed": 0,
+                "method": {
+                    "type": "grpo",
+                    "grpo": {
+                        "grader": grader,
+                        "hyperparameters": {
+                            "max_steps": steps,
+                            "batch_size": 8,
+                            "group_size": 8,
+                            "learning_rate": 3e-4,
+                            "beta": 0.04,
+                            "max_completion_tokens": 8,
+                            "eval_interval": 10,
+                            "checkpoint_interval": 10,
+                        },
+                    },
+                },
+            },
+        )
+        console.print(f"created {job['id']} ({job['status']})")
+        job = follow_job(c, job["id"])
+        if job["status"] != "succeeded":
+            console.print(f"[red]job {job['status']}[/red]: {job.get('error')}")
+            raise typer.Exit(1)
+        archive = download_adapter(c, job["id"], workdir / "adapter.tar.gz")
+        adapter_dir = workdir / "adapter"
+        with tarfile.open(archive) as tar:
+            tar.extractall(adapter_dir, filter="data")
+        console.print(f"fine-tuned model {job['fine_tuned_model']}; adapter in {adapter_dir}")
+        base_acc, trained_acc = _accuracy_with_and_without(adapter_dir, data / "validation.jsonl", grader)
+        console.print(
+            f"validation greedy accuracy (the downloaded adapter, loaded with PEFT here): "
+            f"base {base_acc:.3f} → trained {trained_acc:.3f}"
+        )
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _accuracy_with_and_without(adapter_dir: Path, data: Path, grader_obj: dict[str, Any]) -> tuple[float, float]:
+    """Greedy mean reward of tiny-arith alone and with the adapter (``PeftModel.from_pretrained``)."""
+    from trainer import graders, tiny_arith
+    from trainer.cli import resolve_model
+    from trainer.data import load_prompts
+    from trainer.evaluate import evaluate
+    from trainer.models import default_device, load_adapter, load_base_model, load_tokenizer, resolve_precision
+    from trainer.rollout import encode_prompts
+
+    g = graders.parse_grader(grader_obj)
+    items = load_prompts(data, grader=g)
+    path = resolve_model(tiny_arith.MODEL_NAME)
+    tok = load_tokenizer(path)
+    prompts = encode_prompts(tok, items, max_prompt_tokens=1_000)
+    device = default_device()
+    precision = resolve_precision("auto", device)
+    model = load_adapter(load_base_model(path, device), adapter_dir)
+    trained = evaluate(model, tok, prompts, items, g, max_new_tokens=8, precision=precision).mean_reward
+    with model.disable_adapter():
+        base = evaluate(model, tok, prompts, items, g, max_new_tokens=8, precision=precision).mean_reward
+    return base, trained
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

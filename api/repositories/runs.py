@@ -1,0 +1,251 @@
+"""All SQL a worker runs: the lease (claim, renew, release), progress, events, metrics, checkpoints, rollouts,
+result files, the outcome, and the sweeper's queries.
+
+The lease is the only thing that decides who runs a job: every claim and renewal is one conditional UPDATE whose
+row count says whether it won, so it is atomic on PostgreSQL and SQLite alike and a redelivered broker message is
+harmless. Functions take a session and never commit: the worker commits at its unit-of-work boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from api import ids
+from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Rollout, now
+
+CLAIMABLE = ("queued", "running")
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def _lease_free(at: float) -> Any:
+    return or_(Job.lease_owner.is_(None), Job.lease_expires_at.is_(None), Job.lease_expires_at < at)
+
+
+def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float, at: float | None = None) -> bool:
+    """Take the job if it is claimable and nobody holds a live lease; True when this worker now owns it."""
+    at = time.time() if at is None else at
+    result = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status.in_(CLAIMABLE),
+            _lease_free(at),
+            Job.cancel_requested.is_(False),
+        )
+        .values(
+            lease_owner=worker_id,
+            lease_expires_at=at + lease_seconds,
+            status="running",
+            attempts=Job.attempts + 1,
+            started_at=func.coalesce(Job.started_at, int(at)),
+            error=None,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def renew_lease(
+    session: Session, *, job_id: str, worker_id: str, lease_seconds: float, at: float | None = None
+) -> bool:
+    """Extend our lease; False when it is no longer ours (expired and taken, or released)."""
+    at = time.time() if at is None else at
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == "running")
+        .values(lease_expires_at=at + lease_seconds)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def release_lease(session: Session, *, job_id: str, worker_id: str) -> None:
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.lease_owner == worker_id)
+        .values(lease_owner=None, lease_expires_at=None)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def get_job(session: Session, *, job_id: str) -> Job | None:
+    return session.get(Job, job_id)
+
+
+def get_file(session: Session, *, file_id: str) -> File | None:
+    return session.get(File, file_id)
+
+
+def control_flags(session: Session, *, job_id: str) -> tuple[bool, bool]:
+    """(cancel_requested, pause_requested), read fresh from the database."""
+    row = session.execute(select(Job.cancel_requested, Job.pause_requested).where(Job.id == job_id)).one_or_none()
+    return (bool(row[0]), bool(row[1])) if row is not None else (True, False)
+
+
+def latest_checkpoint(session: Session, *, job_id: str) -> Checkpoint | None:
+    """The newest checkpoint whose objects are complete in the store (rows are written after the upload)."""
+    return session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step_number.desc()).limit(1)
+    ).first()
+
+
+def metric_rows(session: Session, *, job_id: str, up_to: int | None = None) -> list[JobMetric]:
+    q = select(JobMetric).where(JobMetric.job_id == job_id)
+    if up_to is not None:
+        q = q.where(JobMetric.step <= up_to)
+    return list(session.scalars(q.order_by(JobMetric.step)))
+
+
+def forget_after(session: Session, *, job_id: str, step: int) -> None:
+    """Drop the metrics and rollouts a crashed attempt wrote beyond the checkpoint it resumes from: the resumed run
+    trains those steps again and writes them anew."""
+    session.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
+    session.execute(delete(Rollout).where(Rollout.job_id == job_id, Rollout.step > step))
+
+
+def add_event(
+    session: Session,
+    *,
+    job_id: str,
+    level: str,
+    message: str,
+    type: str = "message",
+    data: dict[str, Any] | None = None,
+) -> None:
+    session.add(JobEvent(id=ids.event_id(), job_id=job_id, level=level, message=message, type=type, data=data))
+
+
+def upsert_metrics(session: Session, *, job_id: str, step: int, values: dict[str, Any]) -> None:
+    """One row per (job, step); a resumed run that rewrites a step replaces it."""
+    dialect = session.get_bind().dialect.name
+    row = {"job_id": job_id, "step": step, "values": values, "created_at": now()}
+    if dialect == "postgresql":
+        pg = postgresql.insert(JobMetric).values(**row)
+        session.execute(
+            pg.on_conflict_do_update(index_elements=["job_id", "step"], set_={"values": pg.excluded["values"]})
+        )
+    elif dialect == "sqlite":
+        lite = sqlite.insert(JobMetric).values(**row)
+        session.execute(
+            lite.on_conflict_do_update(index_elements=["job_id", "step"], set_={"values": lite.excluded["values"]})
+        )
+    else:
+        session.merge(JobMetric(**row))
+
+
+def add_rollouts(session: Session, *, job_id: str, step: int, rollouts: list[dict[str, Any]]) -> None:
+    session.add_all(Rollout(job_id=job_id, step=step, data=r) for r in rollouts)
+
+
+def add_checkpoint(
+    session: Session, *, job_id: str, step: int, metrics: dict[str, Any], storage_key: str
+) -> Checkpoint:
+    """Record a checkpoint whose objects are already in the store (a rewritten step updates its row)."""
+    existing = session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step_number == step)
+    ).first()
+    if existing is not None:
+        existing.metrics, existing.storage_key = metrics, storage_key
+        return existing
+    ckpt = Checkpoint(id=ids.checkpoint_id(), job_id=job_id, step_number=step, metrics=metrics, storage_key=storage_key)
+    session.add(ckpt)
+    return ckpt
+
+
+def update_progress(
+    session: Session,
+    *,
+    job_id: str,
+    current_step: int,
+    total_steps: int | None,
+    trained_tokens: int | None,
+    estimated_finish: int | None,
+) -> None:
+    values: dict[str, Any] = {"current_step": current_step, "estimated_finish": estimated_finish}
+    if total_steps is not None:
+        values["total_steps"] = total_steps
+    if trained_tokens is not None:
+        values["trained_tokens"] = trained_tokens
+    session.execute(update(Job).where(Job.id == job_id).values(**values).execution_options(synchronize_session=False))
+
+
+def add_result_file(
+    session: Session, *, tenant_id: str, filename: str, size: int, storage_key: str, file_id: str
+) -> File:
+    f = File(
+        id=file_id,
+        tenant_id=tenant_id,
+        filename=filename,
+        purpose="fine-tune-results",
+        bytes=size,
+        lines=0,
+        storage_key=storage_key,
+    )
+    session.add(f)
+    return f
+
+
+def finish(
+    session: Session,
+    *,
+    job_id: str,
+    worker_id: str,
+    status: str,
+    error: dict[str, Any] | None = None,
+    fine_tuned_model: str | None = None,
+    result_files: list[str] | None = None,
+) -> bool:
+    """Set the outcome and release the lease, if the lease is still ours; False when it is not (nothing written)."""
+    values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None, "estimated_finish": None}
+    if status in TERMINAL:
+        values["finished_at"] = now()
+    if status == "paused":
+        values["pause_requested"] = False  # the request is consumed; resume re-queues the job
+    if error is not None:
+        values["error"] = error
+    if fine_tuned_model is not None:
+        values["fine_tuned_model"] = fine_tuned_model
+    if result_files is not None:
+        values["result_files"] = result_files
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.lease_owner == worker_id)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def stranded_jobs(
+    session: Session,
+    *,
+    expired_grace_seconds: float,
+    queued_grace_seconds: float,
+    at: float | None = None,
+    limit: int = 100,
+) -> list[str]:
+    """Jobs that need a new broker message: running with an expired lease (their worker died), or queued, held by
+    nobody, and enqueued longer ago than the grace period (their message may be lost). A job enqueued within its
+    grace period is left alone, so one sweep does not pile messages on another. Paused, cancelled and finished jobs
+    never qualify."""
+    at = time.time() if at is None else at
+
+    def enqueued_before(t: float) -> Any:
+        return or_(Job.enqueued_at.is_(None), Job.enqueued_at < t)
+
+    expired = and_(Job.status == "running", Job.lease_expires_at < at, enqueued_before(at - expired_grace_seconds))
+    lost = and_(Job.status == "queued", _lease_free(at), enqueued_before(at - queued_grace_seconds))
+    q = select(Job.id).where(or_(expired, lost), Job.cancel_requested.is_(False)).order_by(Job.created_at).limit(limit)
+    return list(session.scalars(q))
+
+
+def mark_enqueued(session: Session, *, job_id: str, at: float | None = None) -> None:
+    at = time.time() if at is None else at
+    session.execute(
+        update(Job).where(Job.id == job_id).values(enqueued_at=at).execution_options(synchronize_session=False)
+    )

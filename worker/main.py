@@ -1,0 +1,72 @@
+"""Start a worker programmatically: a Celery worker consuming ``proxima.jobs.run`` plus the sweeper thread.
+
+Used by ``proxima worker`` and ``proxima serve``; ``python -m worker.main`` runs one too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import socket
+from typing import Any
+
+from api.settings import Settings, get_settings
+from worker.celery_app import configure
+from worker.sweeper import QUEUED_GRACE_S, SWEEP_INTERVAL_S, Sweeper
+
+
+def run_worker(
+    settings: Settings,
+    *,
+    concurrency: int = 1,
+    hostname: str | None = None,
+    sweep_interval: float = SWEEP_INTERVAL_S,
+    queued_grace_seconds: float = QUEUED_GRACE_S,
+    loglevel: str = "INFO",
+) -> None:
+    """Block running a worker (one job at a time per unit of concurrency: one per GPU) until it is shut down."""
+    app = configure(settings)
+    importlib.import_module("worker.tasks")  # registers proxima.jobs.run
+
+    if settings.celery_broker_url.startswith("sqla+"):
+        # kombu's SQLAlchemy transport creates its tables on first use; the folder of a SQLite file must exist.
+        settings.home.mkdir(parents=True, exist_ok=True)
+    sweeper = Sweeper(app, settings, interval=sweep_interval, queued_grace_seconds=queued_grace_seconds)
+    sweeper.start()
+    try:
+        celery_worker: Any = app.Worker(
+            hostname=f"proxima@{hostname or socket.gethostname()}",
+            concurrency=concurrency,
+            pool="threads",  # the trainer runs in a child process of its own; the task only supervises it
+            loglevel=loglevel,
+            without_gossip=True,
+            without_mingle=True,
+            without_heartbeat=True,
+        )
+        celery_worker.start()
+    finally:
+        sweeper.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run a Proxima worker (Celery + sweeper).")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--hostname", default=None)
+    parser.add_argument("--sweep-interval", type=float, default=SWEEP_INTERVAL_S)
+    parser.add_argument("--queued-grace", type=float, default=QUEUED_GRACE_S)
+    parser.add_argument("--loglevel", default="INFO")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_worker(
+        get_settings(),
+        concurrency=args.concurrency,
+        hostname=args.hostname,
+        sweep_interval=args.sweep_interval,
+        queued_grace_seconds=args.queued_grace,
+        loglevel=args.loglevel,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The trainer's process: ``python -m worker.runner RUN_DIR``, started by the worker for one attempt at one job.
+
+It runs in a child process so that a crash or an out-of-memory kill fails the job and not the worker. The protocol
+with the parent (``worker.tasks``) is line-based JSON over the standard streams:
+
+- stdout carries messages, one JSON object a line: ``started``, ``event``, ``metrics``, ``rollouts``,
+  ``checkpoint`` (with the folder's path), then ``done`` or ``error`` (a typed trainer error with its code). Anything
+  libraries print is sent to stderr instead, which the parent keeps in a file for the error message.
+- stdin carries control: a ``stop`` line asks the trainer to stop after a final checkpoint (cancel, pause, within one
+  step); end of file means the parent died, and the trainer exits at once rather than train for nobody.
+
+``RUN_DIR/spec.json`` holds the spec with local paths; ``RUN_DIR/checkpoints/`` may hold the checkpoint to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import traceback
+import warnings
+from pathlib import Path
+from typing import IO, Any
+
+# Exit code of a run that ended with a typed error message (the parent reads the message, not the code).
+EXIT_ERROR = 1
+EXIT_ORPHANED = 3
+
+
+def error_code(err: BaseException) -> str | None:
+    """The job error code for the trainer's typed errors (None: an unexpected error, i.e. a trainer bug)."""
+    from trainer.config import SpecError
+    from trainer.data import DatasetError
+    from trainer.graders import GraderError
+    from trainer.models import ModelError
+
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
+        return "out_of_memory"
+    if isinstance(err, DatasetError):
+        return "invalid_file"
+    if isinstance(err, ModelError):
+        return "model_not_available"
+    if isinstance(err, GraderError):
+        return "invalid_grader"
+    if isinstance(err, SpecError):
+        return "invalid_hyperparameters"
+    return None
+
+
+def _finite(values: dict[str, float]) -> dict[str, float | None]:
+    """JSON has no NaN or infinity (PostgreSQL's json type rejects them): such a value is sent as null."""
+    return {k: (float(v) if math.isfinite(float(v)) else None) for k, v in values.items()}
+
+
+class Pipe:
+    """The message channel to the parent (a private copy of the original stdout)."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.lock = threading.Lock()
+
+    def send(self, kind: str, **body: Any) -> None:
+        line = json.dumps({"type": kind, **body}, default=str)
+        with self.lock:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+
+class Progress:
+    """The last step whose metrics were sent, read by the control thread when a stop arrives."""
+
+    last_step = 0
+
+
+def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any:
+    from trainer.callbacks import BaseCallback, Level
+
+    class ParentCallback(BaseCallback):
+        def on_event(self, level: Level, message: str, data: dict[str, Any] | None = None) -> None:
+            pipe.send("event", level=level, message=message, data=data or {})
+
+        def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+            pipe.send("metrics", step=step, metrics=_finite(metrics))
+            progress.last_step = step
+
+        def on_rollouts(self, step: int, rollouts: list[dict[str, Any]]) -> None:
+            pipe.send("rollouts", step=step, rollouts=rollouts)
+
+        def on_checkpoint(self, step: int, path: Path, metrics: dict[str, float]) -> None:
+            pipe.send("checkpoint", step=step, path=str(path), metrics=_finite(metrics))
+
+        def should_stop(self) -> bool:
+            return stop.is_set()
+
+    return ParentCallback()
+
+
+def _watch_stdin(stop: threading.Event, pipe: Pipe, progress: Progress) -> None:
+    for line in sys.stdin:
+        if line.strip() == "stop" and not stop.is_set():
+            stop.set()
+            # Steps up to this one are done; the trainer checks `should_stop` before the next, so at most the step
+            # in progress is still trained: the parent records where the request landed.
+            pipe.send("stopping", completed_step=progress.last_step)
+    os._exit(EXIT_ORPHANED)  # the parent is gone: nobody would record what we train
+
+
+def main(run_dir: Path) -> int:
+    # Messages get a private copy of stdout; fd 1 then points at stderr so stray prints cannot corrupt them.
+    pipe = Pipe(os.fdopen(os.dup(1), "w", encoding="utf-8"))
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    stop, progress = threading.Event(), Progress()
+    threading.Thread(target=_watch_stdin, args=(stop, pipe, progress), daemon=True, name="control").start()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        from trainer.config import parse_spec
+        from trainer.models import ModelError
+        from trainer.rl import RLTrainer
+
+        hf_logging.disable_progress_bar()
+        spec = parse_spec(json.loads((run_dir / "spec.json").read_text()))
+        try:
+            trainer = RLTrainer(spec, output_dir=run_dir, callback=_make_callback(pipe, stop, progress))
+        except OSError as err:  # the datasets are local files the worker wrote: this is the model or its tokenizer
+            raise ModelError(f"cannot load model {spec.model!r}: {err}") from err
+        pipe.send("started", total_steps=trainer.total_steps)
+        result = trainer.run(resume=True)
+    except BaseException as err:
+        traceback.print_exc()
+        sys.stderr.flush()
+        code = error_code(err)
+        if code is not None:
+            line, detail = getattr(err, "line", None), getattr(err, "detail", None)
+            pipe.send("error", code=code, message=str(err), param=getattr(err, "param", None), line=line, detail=detail)
+        return EXIT_ERROR
+    pipe.send(
+        "done",
+        stopped=result.stopped,
+        last_step=result.last_step,
+        total_steps=result.total_steps,
+        adapter_dir=str(result.adapter_dir) if result.adapter_dir else None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m worker.runner RUN_DIR", file=sys.stderr)
+        sys.exit(2)
+    code = main(Path(sys.argv[1]))
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (library atexit hooks) and the stdin watcher

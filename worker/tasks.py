@@ -1,0 +1,589 @@
+"""``proxima.jobs.run``: claim a job in the database, run its trainer in a child process, record what it reports.
+
+:func:`run_job` is the plain function behind the Celery task (tests call it directly). One attempt:
+
+1. claim the job with a lease (one conditional UPDATE; losing the race means another worker has it: return);
+2. prepare a run folder: the dataset files from the artifact store, the spec with local paths and the model
+   resolved, and the latest stored checkpoint, so the trainer resumes from it (step numbers continue);
+3. start ``python -m worker.runner`` and, while it trains, renew the lease (a heartbeat thread), write its metrics,
+   events, rollouts and checkpoints as they arrive (a checkpoint's objects are uploaded before its row is written,
+   so a row always names a complete checkpoint), and pass on cancel and pause requests read from the database;
+4. record the outcome (succeeded with result files, cancelled, paused, failed with an actionable code) and release
+   the lease. A worker that lost its lease kills its trainer and writes nothing more: the job belongs to another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import math
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from api import ids
+from api.db import session_scope
+from api.repositories import runs
+from api.settings import Settings
+from api.storage import ArtifactStore, NotFound, store_from_url
+from trainer import metrics as M
+from worker.celery_app import RUN_JOB, app
+from worker.celery_app import settings as current_settings
+
+log = logging.getLogger("proxima.worker")
+
+CONTROL_POLL_S = 1.0  # how often the database is read for cancel and pause requests
+STDERR_TAIL_LINES = 20
+_PROCESS_TOKEN = uuid.uuid4().hex[:8]
+
+OOM_HINT = (
+    "the trainer process was killed (SIGKILL), most likely for running out of memory: lower batch_size, "
+    "group_size, max_completion_tokens or micro_batch_size, or use a machine with more memory"
+)
+
+
+def store_for(settings: Settings) -> ArtifactStore:
+    return store_from_url(settings.artifacts_url, endpoint_url=settings.s3_endpoint_url)
+
+
+def default_worker_id(hostname: str | None = None) -> str:
+    """Unique per worker process (a restarted worker with a reused pid is not mistaken for the old owner)."""
+    return f"{hostname or socket.gethostname()}:{os.getpid()}:{_PROCESS_TOKEN}"
+
+
+def checkpoint_prefix(job_id: str, step: int) -> str:
+    return f"jobs/{job_id}/checkpoints/step-{step:06d}"
+
+
+def fine_tuned_model_name(*, model: str, tenant_id: str, suffix: str | None, job_id: str) -> str:
+    return f"ft:{model}:{tenant_id}:{suffix or ''}:{job_id.removeprefix('ftjob-')}"
+
+
+class JobError(Exception):
+    """A failure to record as the job's ``error``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def resolve_model(name: str, model_store: Path) -> str:
+    """A name in the model store → its folder; a local path must hold a model; anything else (a hub id) is passed
+    through, and the trainer reports a model it cannot load as ``model_not_available``."""
+    local = model_store / name
+    if (local / "config.json").is_file():
+        return str(local)
+    path = Path(name)
+    if path.is_absolute() or name.startswith(("./", "../")):
+        if not (path / "config.json").is_file():
+            raise JobError("model_not_available", f"model {name!r} is not available on this worker: no model there")
+        return name
+    if name == "tiny-arith":
+        raise JobError(
+            "model_not_available", f"model {name!r} is not built on this worker: run `proxima models build {name}`"
+        )
+    return name
+
+
+def step_tokens(values: Mapping[str, float | None]) -> int:
+    """Completion tokens sampled in one step (generation throughput × generation time)."""
+    tps, secs = values.get(M.TOKENS_PER_S_GENERATION), values.get(M.GENERATION_SECONDS)
+    return round(tps * secs) if tps is not None and secs is not None else 0
+
+
+@app.task(name=RUN_JOB, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_job_task(self: Any, job_id: str) -> str:
+    return run_job(job_id, settings=current_settings(), worker_id=default_worker_id(self.request.hostname))
+
+
+@dataclass
+class _Attempt:
+    job_id: str
+    tenant_id: str
+    model: str
+    suffix: str | None
+    spec: dict[str, Any]
+    training_file: str
+    validation_file: str | None
+    attempt: int
+    resume_step: int = 0
+    total_steps: int | None = None
+    tokens_by_step: dict[int, int] = field(default_factory=dict)
+    step_seconds: list[float] = field(default_factory=list)
+
+
+def run_job(job_id: str, *, settings: Settings, worker_id: str) -> str:
+    """Run one attempt at ``job_id`` if this worker can claim it; returns the status it ended in, or ``"skipped"``
+    (not claimable: finished, paused, cancelled, or held by a live lease) or ``"lost"`` (the lease was taken)."""
+    url = settings.db_url
+    with session_scope(url) as s:
+        if not runs.claim(s, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds):
+            log.info("job %s not claimable by %s: skipped", job_id, worker_id)
+            return "skipped"
+        job = runs.get_job(s, job_id=job_id)
+        assert job is not None
+        attempt = _Attempt(
+            job_id=job.id,
+            tenant_id=job.tenant_id,
+            model=job.model,
+            suffix=job.suffix,
+            spec=dict(job.spec),
+            training_file=job.training_file,
+            validation_file=job.validation_file,
+            attempt=job.attempts,
+        )
+    log.info("job %s claimed by %s (attempt %d)", job_id, worker_id, attempt.attempt)
+    runs_root = settings.home / "runs"
+    runs_root.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=runs_root))
+    try:
+        return _Runner(settings, worker_id, attempt, run_dir).run()
+    except Exception:
+        log.exception("job %s: worker error", job_id)
+        with session_scope(url) as s:
+            runs.add_event(s, job_id=job_id, level="error", message="The job failed: internal worker error")
+            runs.finish(
+                s,
+                job_id=job_id,
+                worker_id=worker_id,
+                status="failed",
+                error={"code": "internal_error", "message": "internal worker error", "param": None},
+            )
+        return "failed"
+    finally:
+        with session_scope(url) as s:
+            runs.release_lease(s, job_id=job_id, worker_id=worker_id)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class _Heartbeat(threading.Thread):
+    """Renews the lease every third of its length; sets ``lost`` when the lease is no longer ours (or could not be
+    renewed before it expired, e.g. the database was unreachable)."""
+
+    def __init__(self, settings: Settings, job_id: str, worker_id: str) -> None:
+        super().__init__(daemon=True, name=f"lease-{job_id}")
+        self.settings, self.job_id, self.worker_id = settings, job_id, worker_id
+        self.lost = threading.Event()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        lease = self.settings.lease_seconds
+        renewed = time.time()
+        while not self.done.wait(lease / 3):
+            try:
+                with session_scope(self.settings.db_url) as s:
+                    ok = runs.renew_lease(s, job_id=self.job_id, worker_id=self.worker_id, lease_seconds=lease)
+            except Exception:
+                log.warning("job %s: lease renewal failed", self.job_id, exc_info=True)
+                ok = time.time() < renewed + lease
+            else:
+                renewed = time.time() if ok else renewed
+            if not ok:
+                log.warning("job %s: lease lost by %s", self.job_id, self.worker_id)
+                self.lost.set()
+                return
+
+
+class _Runner:
+    def __init__(self, settings: Settings, worker_id: str, attempt: _Attempt, run_dir: Path) -> None:
+        self.settings, self.worker_id, self.a, self.run_dir = settings, worker_id, attempt, run_dir
+        self.url = settings.db_url
+        self.store = store_for(settings)
+        self.job_id = attempt.job_id
+        self.stop_reason: str | None = None
+
+    # -- preparation ----------------------------------------------------------------------------------------------
+
+    def _download_file(self, file_id: str, dest: Path) -> str:
+        with session_scope(self.url) as s:
+            f = runs.get_file(s, file_id=file_id)
+            key = f.storage_key if f is not None and not f.deleted else None
+        if key is None:
+            raise JobError("invalid_file", f"file {file_id} no longer exists: upload it again and create a new job")
+        try:
+            self.store.get_to_path(key, dest)
+        except NotFound:
+            raise JobError("invalid_file", f"file {file_id}'s contents are missing from the artifact store") from None
+        return str(dest)
+
+    def _restore_checkpoint(self) -> int:
+        """Copy the latest stored checkpoint into the run folder; its step (0 when there is none)."""
+        with session_scope(self.url) as s:
+            ck = runs.latest_checkpoint(s, job_id=self.job_id)
+            found = (ck.step_number, ck.storage_key) if ck is not None else None
+        if found is None:
+            return 0
+        step, prefix = found
+        dest = self.run_dir / "checkpoints" / f"step-{step:06d}"
+        for key in self.store.list(prefix):
+            rel = key.removeprefix(prefix.rstrip("/") + "/")
+            if rel == "adapter.tar.gz":
+                continue
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.store.get_to_path(key, target)
+        return step
+
+    def _prepare(self) -> None:
+        a = self.a
+        spec = dict(a.spec)
+        data = self.run_dir / "data"
+        data.mkdir()
+        spec["training_file"] = self._download_file(a.training_file, data / "train.jsonl")
+        if a.validation_file:
+            spec["validation_file"] = self._download_file(a.validation_file, data / "validation.jsonl")
+        else:
+            spec.pop("validation_file", None)
+        spec["model"] = resolve_model(str(spec.get("model") or a.model), self.settings.model_store)
+        (self.run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
+        a.resume_step = self._restore_checkpoint()
+        with session_scope(self.url) as s:
+            runs.forget_after(s, job_id=self.job_id, step=a.resume_step)
+            a.tokens_by_step = {
+                r.step: step_tokens(r.values) for r in runs.metric_rows(s, job_id=self.job_id, up_to=a.resume_step)
+            }
+            if a.resume_step:
+                message = f"Resuming from the checkpoint at step {a.resume_step} (attempt {a.attempt})"
+            else:
+                again = f" (attempt {a.attempt})" if a.attempt > 1 else ""
+                message = f"Fine-tuning job started{again}"
+            runs.add_event(s, job_id=self.job_id, level="info", message=message)
+            runs.update_progress(
+                s,
+                job_id=self.job_id,
+                current_step=a.resume_step,
+                total_steps=None,
+                trained_tokens=sum(a.tokens_by_step.values()),
+                estimated_finish=None,
+            )
+
+    # -- the attempt ----------------------------------------------------------------------------------------------
+
+    def run(self) -> str:
+        try:
+            self._prepare()
+        except JobError as err:
+            return self._fail(err.code, err.message)
+        heartbeat = _Heartbeat(self.settings, self.job_id, self.worker_id)
+        heartbeat.start()
+        try:
+            return self._supervise(heartbeat)
+        finally:
+            heartbeat.done.set()
+
+    def _supervise(self, heartbeat: _Heartbeat) -> str:
+        stderr_path = self.run_dir / "stderr.log"
+        with stderr_path.open("wb") as err_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "worker.runner", str(self.run_dir)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err_file,
+                text=True,
+                encoding="utf-8",
+            )
+        assert proc.stdin is not None and proc.stdout is not None
+        messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        reader = threading.Thread(target=_read_messages, args=(proc.stdout, messages), daemon=True)
+        reader.start()
+
+        stop_reason: str | None = None
+        final: dict[str, Any] | None = None
+        next_poll = 0.0
+        try:
+            while True:
+                if heartbeat.lost.is_set():
+                    proc.kill()
+                    proc.wait()
+                    return "lost"
+                if stop_reason is None and time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + CONTROL_POLL_S
+                    with session_scope(self.url) as s:
+                        cancel, pause = runs.control_flags(s, job_id=self.job_id)
+                    if cancel or pause:
+                        stop_reason = "cancel" if cancel else "pause"
+                        _send_stop(proc.stdin)
+                        self.stop_reason = stop_reason
+                try:
+                    msg = messages.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if msg is None:
+                    break
+                if msg["type"] in ("done", "error"):
+                    final = msg
+                else:
+                    self._record(msg)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            _close(proc.stdin)
+        rc = proc.wait()
+        with session_scope(self.url) as s:  # a cancel that arrived during the last step still counts
+            cancel, pause = runs.control_flags(s, job_id=self.job_id)
+        if heartbeat.lost.is_set():
+            return "lost"
+        if final is not None and final["type"] == "done" and rc == 0:
+            if final["stopped"]:
+                return self._stopped(stop_reason or ("cancel" if cancel else "pause"), final["last_step"])
+            return self._succeed()
+        if cancel:
+            return self._stopped("cancel", None)
+        if final is not None and final["type"] == "error":
+            return self._fail(final["code"], self._user_message(final))
+        if rc in (-9, 137):
+            return self._fail("out_of_memory", OOM_HINT)
+        tail = _tail(stderr_path, STDERR_TAIL_LINES)
+        return self._fail("trainer_error", f"the trainer exited with code {rc}. Its last output:\n{tail}".rstrip())
+
+    def _user_message(self, error: dict[str, Any]) -> str:
+        """A dataset error names the user's file id and line, not the worker's local copy of the file."""
+        message: str = error["message"]
+        if error["code"] != "invalid_file" or not error.get("detail"):
+            return message
+        data = str(self.run_dir / "data")
+        if message.startswith(f"{data}/validation.jsonl") and self.a.validation_file:
+            which = f"validation file {self.a.validation_file}"
+        elif message.startswith(f"{data}/train.jsonl"):
+            which = f"training file {self.a.training_file}"
+        else:
+            return message
+        line = f", line {error['line']}" if error.get("line") else ""
+        return f"{which}{line}: {error['detail']}"
+
+    # -- messages ------------------------------------------------------------------------------------------------
+
+    def _record(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "stopping":
+            what = "Cancellation" if self.stop_reason == "cancel" else "Pause"
+            done = int(msg["completed_step"])
+            with session_scope(self.url) as s:
+                runs.add_event(
+                    s,
+                    job_id=self.job_id,
+                    level="info",
+                    message=f"{what} requested: the trainer stops after step {done + 1} at the latest",
+                    data={"completed_step": done},
+                )
+            return
+        if kind == "checkpoint":
+            self._upload_checkpoint(int(msg["step"]), Path(msg["path"]), msg["metrics"])
+            return
+        with session_scope(self.url) as s:
+            if kind == "started":
+                self.a.total_steps = int(msg["total_steps"])
+                runs.update_progress(
+                    s,
+                    job_id=self.job_id,
+                    current_step=self.a.resume_step,
+                    total_steps=self.a.total_steps,
+                    trained_tokens=None,
+                    estimated_finish=None,
+                )
+            elif kind == "event":
+                runs.add_event(s, job_id=self.job_id, level=msg["level"], message=msg["message"], data=msg["data"])
+            elif kind == "rollouts":
+                runs.add_rollouts(s, job_id=self.job_id, step=int(msg["step"]), rollouts=msg["rollouts"])
+            elif kind == "metrics":
+                self._record_metrics(s, int(msg["step"]), msg["metrics"])
+
+    def _record_metrics(self, s: Any, step: int, values: dict[str, float | None]) -> None:
+        a = self.a
+        runs.upsert_metrics(s, job_id=self.job_id, step=step, values=values)
+        if step == 0:  # the base policy's validation point, before any training
+            return
+        runs.add_event(
+            s,
+            job_id=self.job_id,
+            level="info",
+            type="metrics",
+            message=f"Step {step}/{a.total_steps}",
+            data={"step": step, "total_steps": a.total_steps, **values},
+        )
+        a.tokens_by_step[step] = step_tokens(values)
+        secs = values.get(M.STEP_SECONDS)
+        if secs is not None:
+            a.step_seconds.append(secs)
+        eta = None
+        if a.total_steps and a.step_seconds:
+            mean = sum(a.step_seconds) / len(a.step_seconds)
+            eta = int(time.time() + mean * max(a.total_steps - step, 0))
+        runs.update_progress(
+            s,
+            job_id=self.job_id,
+            current_step=step,
+            total_steps=a.total_steps,
+            trained_tokens=sum(a.tokens_by_step.values()),
+            estimated_finish=eta,
+        )
+
+    def _upload_checkpoint(self, step: int, path: Path, metrics: dict[str, float | None]) -> None:
+        from trainer.checkpoint import archive_adapter
+
+        prefix = checkpoint_prefix(self.job_id, step)
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            self.store.put_file(f"{prefix}/{f.relative_to(path).as_posix()}", f)
+        archives = self.run_dir / "archives"
+        archives.mkdir(exist_ok=True)
+        archive = archive_adapter(path / "adapter", archives / f"step-{step:06d}.tar.gz")
+        self.store.put_file(f"{prefix}/adapter.tar.gz", archive)
+        archive.unlink()
+        with session_scope(self.url) as s:  # the row only after every object is stored
+            runs.add_checkpoint(s, job_id=self.job_id, step=step, metrics=metrics, storage_key=prefix)
+            runs.add_event(
+                s,
+                job_id=self.job_id,
+                level="info",
+                message=f"Checkpoint created at step {step}",
+                data={"step": step},
+            )
+
+    # -- outcomes ------------------------------------------------------------------------------------------------
+
+    def _succeed(self) -> str:
+        from trainer.checkpoint import archive_adapter
+
+        a = self.a
+        adapter = self.run_dir / "adapter"
+        if not (adapter / "adapter_config.json").is_file():
+            return self._fail("trainer_error", "the trainer finished without writing the final adapter")
+        adapter_id, csv_id = ids.file_id(), ids.file_id()
+        archive = archive_adapter(adapter, self.run_dir / "adapter.tar.gz")
+        adapter_key = f"files/{a.tenant_id}/{adapter_id}.tar.gz"
+        adapter_size = self.store.put_file(adapter_key, archive)
+        with session_scope(self.url) as s:
+            rows = runs.metric_rows(s, job_id=self.job_id)
+            table = metrics_csv([(r.step, r.values) for r in rows])
+        csv_key = f"files/{a.tenant_id}/{csv_id}.csv"
+        csv_size = self.store.put_bytes(csv_key, table)
+        model = fine_tuned_model_name(model=a.model, tenant_id=a.tenant_id, suffix=a.suffix, job_id=self.job_id)
+        with session_scope(self.url) as s:
+            runs.add_result_file(
+                s,
+                tenant_id=a.tenant_id,
+                filename=f"{self.job_id}-metrics.csv",
+                size=csv_size,
+                storage_key=csv_key,
+                file_id=csv_id,
+            )
+            runs.add_result_file(
+                s,
+                tenant_id=a.tenant_id,
+                filename=f"{self.job_id}-adapter.tar.gz",
+                size=adapter_size,
+                storage_key=adapter_key,
+                file_id=adapter_id,
+            )
+            if not runs.finish(
+                s,
+                job_id=self.job_id,
+                worker_id=self.worker_id,
+                status="succeeded",
+                fine_tuned_model=model,
+                result_files=[csv_id, adapter_id],
+            ):
+                s.rollback()
+                self.store.delete(adapter_key)
+                self.store.delete(csv_key)
+                return "lost"
+            runs.update_progress(
+                s,
+                job_id=self.job_id,
+                current_step=a.total_steps or 0,
+                total_steps=a.total_steps,
+                trained_tokens=sum(a.tokens_by_step.values()),
+                estimated_finish=None,
+            )
+            runs.add_event(s, job_id=self.job_id, level="info", message=f"New fine-tuned model created: {model}")
+            runs.add_event(s, job_id=self.job_id, level="info", message="The job has successfully completed")
+        return "succeeded"
+
+    def _stopped(self, reason: str, step: int | None) -> str:
+        status = "cancelled" if reason == "cancel" else "paused"
+        at = f" at step {step}" if step is not None else ""
+        message = (
+            f"The job was cancelled{at}" if status == "cancelled" else f"The job was paused{at}: resume continues there"
+        )
+        with session_scope(self.url) as s:
+            if runs.finish(s, job_id=self.job_id, worker_id=self.worker_id, status=status):
+                runs.add_event(s, job_id=self.job_id, level="info", message=message)
+        return status
+
+    def _fail(self, code: str, message: str) -> str:
+        with session_scope(self.url) as s:
+            if runs.finish(
+                s,
+                job_id=self.job_id,
+                worker_id=self.worker_id,
+                status="failed",
+                error={"code": code, "message": message, "param": None},
+            ):
+                runs.add_event(s, job_id=self.job_id, level="error", message=f"The job failed: {message}")
+        log.warning("job %s failed (%s): %s", self.job_id, code, message)
+        return "failed"
+
+
+def metrics_csv(rows: Sequence[tuple[int, Mapping[str, float | None]]]) -> bytes:
+    """One line per step, a column per metric (sorted; ``step`` first); a metric a step lacks is left empty."""
+    names = sorted({k for _, values in rows for k in values})
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["step", *names])
+    for step, values in rows:
+        cells = []
+        for n in names:
+            v = values.get(n)
+            cells.append("" if v is None or not math.isfinite(v) else repr(float(v)))
+        w.writerow([step, *cells])
+    return out.getvalue().encode()
+
+
+def _read_messages(stream: IO[str], out: queue.Queue[dict[str, Any] | None]) -> None:
+    try:
+        for line in stream:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.put(json.loads(line))
+            except json.JSONDecodeError:
+                log.warning("unreadable message from the trainer: %.200s", line)
+    finally:
+        out.put(None)
+
+
+def _send_stop(stdin: IO[str]) -> None:
+    with contextlib.suppress(OSError, ValueError):  # the trainer already exited
+        stdin.write("stop\n")
+        stdin.flush()
+
+
+def _close(stream: IO[str]) -> None:
+    with contextlib.suppress(OSError):  # BrokenPipeError: the trainer already exited
+        stream.close()
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(deque(lines, maxlen=n))
