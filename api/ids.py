@@ -33,3 +33,8 @@ def tenant_id() -> str:
 
 def api_key() -> str:
     return f"sk-prx-{_token(40)}"
+
+
+def fine_tuned_model_name(*, model: str, tenant_id: str, suffix: str | None, job_id: str) -> str:
+    """``ft:<base>:<tenant>:<suffix>:<id>`` (design §2), the job id without its ``ftjob-`` prefix."""
+    return f"ft:{model}:{tenant_id}:{suffix or ''}:{job_id.removeprefix('ftjob-')}"

@@ -11,6 +11,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api import ids
 from api.orm import Checkpoint, File, Job, JobEvent
 
 T = TypeVar("T")
@@ -232,8 +233,7 @@ class CheckpointObject(BaseModel):
 
 
 def fine_tuned_model_name(job: Job) -> str:
-    """``ft:<base>:<tenant>:<suffix>:<id>`` (design §2), the job id without its ``ftjob-`` prefix."""
-    return f"ft:{job.model}:{job.tenant_id}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')}"
+    return ids.fine_tuned_model_name(model=job.model, tenant_id=job.tenant_id, suffix=job.suffix, job_id=job.id)
 
 
 class MetricsPoint(BaseModel):

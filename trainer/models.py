@@ -56,7 +56,10 @@ def default_device() -> torch.device:
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
-    tok = AutoTokenizer.from_pretrained(model)
+    try:
+        tok = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot load the tokenizer of model {model!r}: {err}") from None
     if tok.eos_token_id is None:
         raise ModelError(f"model {model!r}: its tokenizer defines no EOS token")
     if tok.pad_token_id is None:

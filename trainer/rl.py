@@ -49,6 +49,7 @@ from trainer.data import DatasetError, PromptItem, PromptSampler, load_prompts
 from trainer.evaluate import decode_completions, evaluate, grade_batch
 from trainer.models import (
     MergedSampler,
+    ModelError,
     Precision,
     add_lora,
     default_device,
@@ -131,7 +132,10 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(spec.model)
         self.train_ids = _encode(self.tokenizer, self.train_items, hp, spec.training_file)
         self.val_ids = _encode(self.tokenizer, self.val_items, hp, spec.validation_file or "")
-        model_cfg = AutoConfig.from_pretrained(spec.model)
+        try:
+            model_cfg = AutoConfig.from_pretrained(spec.model)
+        except (OSError, ValueError) as err:
+            raise ModelError(f"cannot load model {spec.model!r}: {err}") from None
         max_pos = getattr(model_cfg, "max_position_embeddings", None)
         longest = max(len(p) for p in self.train_ids + self.val_ids)
         if max_pos is not None and longest + hp.max_completion_tokens > max_pos:

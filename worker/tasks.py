@@ -70,10 +70,6 @@ def checkpoint_prefix(job_id: str, step: int) -> str:
     return f"jobs/{job_id}/checkpoints/step-{step:06d}"
 
 
-def fine_tuned_model_name(*, model: str, tenant_id: str, suffix: str | None, job_id: str) -> str:
-    return f"ft:{model}:{tenant_id}:{suffix or ''}:{job_id.removeprefix('ftjob-')}"
-
-
 class JobError(Exception):
     """A failure to record as the job's ``error``."""
 
@@ -474,7 +470,7 @@ class _Runner:
             table = metrics_csv([(r.step, r.values) for r in rows])
         csv_key = f"files/{a.tenant_id}/{csv_id}.csv"
         csv_size = self.store.put_bytes(csv_key, table)
-        model = fine_tuned_model_name(model=a.model, tenant_id=a.tenant_id, suffix=a.suffix, job_id=self.job_id)
+        model = ids.fine_tuned_model_name(model=a.model, tenant_id=a.tenant_id, suffix=a.suffix, job_id=self.job_id)
         with session_scope(self.url) as s:
             runs.add_result_file(
                 s,
