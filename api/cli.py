@@ -101,7 +101,24 @@ def worker(
     from worker.main import run_worker
 
     prepare_database()
+    if parent := os.environ.pop(SERVE_PID_ENV, None):
+        _exit_with_parent(int(parent))
     run_worker(_settings(), concurrency=concurrency, hostname=hostname)
+
+
+SERVE_PID_ENV = "PROXIMA_SERVE_PID"
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker started by `proxima serve` shuts down (warmly, via SIGTERM) when that process is gone."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="proxima-parent-watch").start()
 
 
 @app.command()
@@ -122,9 +139,12 @@ def serve(
         console.print(f"embedded backends under {s.home}; local API key: {key}")
     child = None
     if not no_worker:
-        child = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=os.environ.copy())
+        env = {**os.environ, SERVE_PID_ENV: str(os.getpid())}
+        child = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=env)
     try:
-        uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_level="warning")
+        uvicorn.run(
+            create_app(s), host=host or s.host, port=port or s.port, log_level="warning", timeout_graceful_shutdown=5
+        )
     finally:
         if child is not None:
             child.send_signal(signal.SIGTERM)
@@ -327,6 +347,7 @@ def demo(
     env = {**os.environ, "PROXIMA_PORT": str(port)}
     log = (workdir / "server.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "api.cli", "serve"], env=env, stdout=log, stderr=log)
+    c: Client | None = None
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -399,6 +420,8 @@ def demo(
             f"base {base_acc:.3f} → trained {trained_acc:.3f}"
         )
     finally:
+        if c is not None:
+            c.http.close()
         server.send_signal(signal.SIGTERM)
         try:
             server.wait(timeout=60)

@@ -55,12 +55,24 @@ def server(random_model_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
             time.sleep(0.3)
         yield env
+        # SIGTERM to `proxima serve` alone: its worker must go with it, leaving no process behind.
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while _group_alive(proc.pid):
+            assert time.monotonic() < deadline, "the worker outlived proxima serve"
+            time.sleep(0.5)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        if _group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def proxima(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
