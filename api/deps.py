@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from api.auth import tenant_for_key
-from api.db import sessionmaker_for
+from api.db import session_scope
 from api.errors import Unauthorized
 from api.orm import Tenant
 from api.settings import Settings, get_settings
@@ -21,15 +21,8 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 def get_session(settings: SettingsDep) -> Iterator[Session]:
     """One session per request, committed at the request boundary."""
-    session = sessionmaker_for(settings.db_url)()
-    try:
+    with session_scope(settings.db_url) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 # scope="function": commit before the response is sent, so a client that reads right after sees the change.
