@@ -126,6 +126,7 @@ def serve(
     host: Annotated[str | None, typer.Option(help="bind address (default PROXIMA_HOST or 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default PROXIMA_PORT or 8000)")] = None,
     no_worker: Annotated[bool, typer.Option("--no-worker", help="serve the API only")] = False,
+    workers: Annotated[int, typer.Option(help="API processes (uvicorn workers)")] = 1,
 ) -> None:
     """The API and (unless --no-worker) one worker, on the configured or the embedded backends."""
     import uvicorn
@@ -142,8 +143,15 @@ def serve(
         env = {**os.environ, SERVE_PID_ENV: str(os.getpid())}
         child = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=env)
     try:
+        target: Any = create_app(s) if workers == 1 else "api.app:create_app"  # each process builds its own app
         uvicorn.run(
-            create_app(s), host=host or s.host, port=port or s.port, log_level="warning", timeout_graceful_shutdown=5
+            target,
+            factory=workers > 1,
+            workers=workers,
+            host=host or s.host,
+            port=port or s.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
         )
     finally:
         if child is not None:

@@ -27,7 +27,8 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # As many connections as the threadpool that runs sync routes (anyio: 40), so a burst queues instead of failing.
+    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20, pool_timeout=60)
 
 
 @lru_cache

@@ -10,6 +10,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import TimeoutError as SATimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("proxima.api")
@@ -76,6 +77,16 @@ def install(app: FastAPI) -> None:
     async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if err.status_code < 500 else "server_error"
         return JSONResponse(envelope(str(err.detail), type_, None, None), status_code=err.status_code)
+
+    @app.exception_handler(SATimeoutError)
+    async def _busy(request: Request, err: SATimeoutError) -> JSONResponse:
+        # Every database connection stayed busy past the pool's timeout: overload, not a bug; clients may retry.
+        log.warning("database pool exhausted on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            envelope("the server is overloaded; retry later", "server_error", None, "overloaded"),
+            status_code=503,
+            headers={"retry-after": "1"},
+        )
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, err: Exception) -> JSONResponse:

@@ -16,6 +16,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -128,7 +129,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--metrics-rows", type=int, default=10_000)
-    ap.add_argument("--metrics-rate", type=float, default=20.0, help="request rate for the 10k-row metrics read")
+    ap.add_argument("--metrics-rate", type=float, default=2.0, help="request rate for the 10k-row metrics read")
+    ap.add_argument("--api-workers", type=int, default=1, help="uvicorn worker processes")
     args = ap.parse_args()
 
     db = create_database()
@@ -145,7 +147,16 @@ def main() -> None:
     server = worker = None
     try:
         key, job_id = seed(env, args.metrics_rows)
-        server = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--no-worker"], env=env)
+        from trainer.tiny_arith import build_tiny_arith
+
+        built = Path.home() / ".proxima" / "models" / "tiny-arith"  # reuse a build when there is one
+        if built.is_dir():
+            shutil.copytree(built, home / "models" / "tiny-arith")
+        else:
+            build_tiny_arith(home / "models" / "tiny-arith")
+        server = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--workers", str(args.api_workers)], env=env
+        )
         base = f"http://127.0.0.1:{port}"
         for _ in range(200):
             try:
