@@ -90,14 +90,14 @@ class ProgressBar(BaseCallback):
 def run_training(spec: JobSpec, output: Path, *, resume: bool = False, quiet: bool = False) -> Any:
     """Run a spec locally with files under ``output`` and a progress bar; returns the trainer's RunResult."""
     from trainer import checkpoint
-    from trainer.rl import RLTrainer
+    from trainer.train import build_trainer
 
     spec = spec.model_copy(update={"model": resolve_model(spec.model)})
     latest = checkpoint.latest_checkpoint(output) if resume else None
     files = JsonlFiles(output, resume_step=latest.step if latest else None)
     if not resume and output.exists() and checkpoint.list_checkpoints(output):
         raise SpecError(f"{output} already holds checkpoints: pass --resume to continue, or choose a new --output")
-    trainer = RLTrainer(spec, output_dir=output, callback=files)
+    trainer = build_trainer(spec, output_dir=output, callback=files)
     output.mkdir(parents=True, exist_ok=True)
     (output / "spec.json").write_text(json.dumps(spec.to_json(), indent=2))
     columns = (

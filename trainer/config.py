@@ -51,8 +51,8 @@ def _auto_to_default(data: Any, fields: tuple[str, ...]) -> Any:
     return data
 
 
-class RLHyperparameters(_Strict):
-    """Hyperparameters shared by the online RL methods (design §3). Defaults suit LoRA: the papers' learning rates
+class Hyperparameters(_Strict):
+    """Optimisation hyperparameters every method shares (design §3). Defaults suit LoRA: the papers' learning rates
     of ~1e-6 are for full fine-tuning."""
 
     learning_rate: float = Field(3e-4, gt=0, le=1.0)
@@ -60,32 +60,16 @@ class RLHyperparameters(_Strict):
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
-    batch_size: int = Field(8, ge=1, description="prompts per training step")
-    group_size: int = Field(8, ge=1, description="samples per prompt (G)")
+    batch_size: int = Field(8, ge=1, description="examples (RL: prompts) per training step")
     max_steps: int | None = Field(None, ge=1, description="training steps; default: n_epochs over the data")
     n_epochs: int = Field(1, ge=1)
-    max_prompt_tokens: int = Field(512, ge=1)
-    max_completion_tokens: int = Field(256, ge=1)
-    min_completion_tokens: int = Field(0, ge=0, description="EOS is held off before this many tokens (benchmarks)")
-    temperature: float = Field(1.0, gt=0, le=10)
-    top_p: float = Field(1.0, gt=0, le=1)
-    iterations_per_batch: int = Field(1, ge=1, description="μ: optimisation passes over each rollout batch")
-    mini_batches: int = Field(1, ge=1, description="optimiser steps per pass over a rollout batch")
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass (accumulation)")
-    epsilon_low: float = Field(0.2, gt=0, lt=1)
-    epsilon_high: float = Field(0.2, gt=0)
-    dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c (Ye et al. 2019); off by default")
-    beta: float = Field(0.04, ge=0, description="KL coefficient; 0 skips the reference pass")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "seq_mean_token_mean"
-    mask_truncated_completions: bool = False
     max_grad_norm: float | None = Field(1.0, gt=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     checkpoint_interval: int = Field(10, ge=1)
     eval_interval: int = Field(0, ge=0, description="steps between validation runs; 0: only at the end")
-    eval_samples: int | None = Field(None, ge=1, description="validation prompts per evaluation; default all")
-    rollouts_logged: int = Field(4, ge=0, description="sampled rollouts written per step")
+    eval_samples: int | None = Field(None, ge=1, description="validation examples per evaluation; default all")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 where matmuls run fast in it")
 
     @model_validator(mode="before")
@@ -99,6 +83,27 @@ class RLHyperparameters(_Strict):
     @property
     def effective_learning_rate(self) -> float:
         return self.learning_rate * self.learning_rate_multiplier
+
+
+class RLHyperparameters(Hyperparameters):
+    """Hyperparameters shared by the online RL methods (design §3)."""
+
+    group_size: int = Field(8, ge=1, description="samples per prompt (G)")
+    max_prompt_tokens: int = Field(512, ge=1)
+    max_completion_tokens: int = Field(256, ge=1)
+    min_completion_tokens: int = Field(0, ge=0, description="EOS is held off before this many tokens (benchmarks)")
+    temperature: float = Field(1.0, gt=0, le=10)
+    top_p: float = Field(1.0, gt=0, le=1)
+    iterations_per_batch: int = Field(1, ge=1, description="μ: optimisation passes over each rollout batch")
+    mini_batches: int = Field(1, ge=1, description="optimiser steps per pass over a rollout batch")
+    epsilon_low: float = Field(0.2, gt=0, lt=1)
+    epsilon_high: float = Field(0.2, gt=0)
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c (Ye et al. 2019); off by default")
+    beta: float = Field(0.04, ge=0, description="KL coefficient; 0 skips the reference pass")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "seq_mean_token_mean"
+    mask_truncated_completions: bool = False
+    rollouts_logged: int = Field(4, ge=0, description="sampled rollouts written per step")
 
 
 class GRPOHyperparameters(RLHyperparameters):
@@ -152,14 +157,83 @@ class ReinforceHyperparameters(RLHyperparameters):
     baseline: Literal["none", "batch_mean"] = "batch_mean"
 
 
-HYPERPARAMETERS: dict[str, type[RLHyperparameters]] = {
+class PPOHyperparameters(RLHyperparameters):
+    """PPO for LLMs (Ouyang et al. 2022; Ziegler et al. 2019, arXiv 1909.08593; TRL's PPOConfig defaults): a value
+    model, the score on the last completion token, a per-token k1 KL penalty to the reference in the reward (β fixed,
+    or adaptive toward ``target_kl``), GAE(γ, λ), whitened advantages, a clipped value loss with ``vf_coef`` and
+    ``iterations_per_batch`` PPO epochs. One sample per prompt by default: the critic is the baseline."""
+
+    group_size: int = Field(1, ge=1, description="samples per prompt; the value model is the baseline")
+    iterations_per_batch: int = Field(4, ge=1, description="PPO epochs over each rollout batch (TRL: 4)")
+    beta: float = Field(0.05, ge=0, description="KL coefficient (TRL's kl_coef); the initial one when adaptive")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    target_kl: float | None = Field(None, gt=0, description="adaptive KL controller's target; None: β is fixed")
+    kl_horizon: int = Field(10000, ge=1, description="adaptive KL controller's horizon in samples")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ")
+    vf_coef: float = Field(0.1, ge=0, description="weight of the value loss")
+    cliprange_value: float | None = Field(0.2, gt=0, description="value clipping around the old values; None: off")
+    whiten_advantages: bool = True
+    whiten_rewards: bool = False
+    value_model: str | None = Field(
+        None, description="base model of a separate critic; None: a second adapter on the policy's base"
+    )
+    value_learning_rate: float | None = Field(None, gt=0, le=1.0, description="critic's lr; None: learning_rate")
+
+
+class RewardModelHyperparameters(Hyperparameters):
+    """Bradley–Terry reward model (Ouyang et al. 2022; TRL's RewardConfig): a score head read at the last token,
+    loss −log σ(r_chosen − r_rejected − m)."""
+
+    learning_rate: float = Field(1e-4, gt=0, le=1.0)
+    max_length: int = Field(1024, ge=2, description="tokens of prompt plus completion; longer pairs are refused")
+    margin: float = Field(0.0, description="constant margin m; a line's own 'margin' field is added to it")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="adds c·mean((r_c + r_r)²) (Eisenstein et al. 2023, arXiv 2312.09244)"
+    )
+
+
+class DPOHyperparameters(Hyperparameters):
+    """DPO (Rafailov et al. 2023, arXiv 2305.18290): −log σ(β·((log π_c − log π_ref,c) − (log π_r − log π_ref,r))),
+    the reference being the base with the adapter disabled; ``label_smoothing`` ε gives cDPO's conservative loss."""
+
+    learning_rate: float = Field(5e-5, gt=0, le=1.0)
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    loss_type: Literal["sigmoid", "robust", "ipo", "hinge"] = "sigmoid"
+    max_length: int = Field(1024, ge=2, description="tokens of prompt plus completion; longer pairs are refused")
+
+
+class SupervisedHyperparameters(Hyperparameters):
+    """Supervised fine-tuning: next-token cross-entropy on the assistant tokens only."""
+
+    learning_rate: float = Field(2e-4, gt=0, le=1.0)
+    max_length: int = Field(1024, ge=2, description="tokens per example (per packed row with packing)")
+    packing: bool = Field(False, description="pack examples into rows of max_length (attention kept per example)")
+    group_by_length: bool = Field(True, description="batch examples of similar length (less padding)")
+
+
+HYPERPARAMETERS: dict[str, type[Hyperparameters]] = {
     "grpo": GRPOHyperparameters,
     "dr_grpo": DrGRPOHyperparameters,
     "dapo": DAPOHyperparameters,
     "rloo": RLOOHyperparameters,
     "reinforce": ReinforceHyperparameters,
+    "ppo": PPOHyperparameters,
+    "reward_model": RewardModelHyperparameters,
+    "dpo": DPOHyperparameters,
+    "supervised": SupervisedHyperparameters,
 }
 METHODS: tuple[str, ...] = tuple(HYPERPARAMETERS)
+RL_METHODS: tuple[str, ...] = tuple(m for m, hp in HYPERPARAMETERS.items() if issubclass(hp, RLHyperparameters))
+DATA_FORMATS: dict[str, Literal["prompts", "preferences", "supervised"]] = {
+    **{m: "prompts" for m in RL_METHODS},
+    "reward_model": "preferences",
+    "dpo": "preferences",
+    "supervised": "supervised",
+}
+"""The dataset format (design §4) each method trains on."""
 OPENAI_ALIASES = {"reinforcement": "grpo"}
 
 
@@ -171,25 +245,34 @@ class RLMethod(_Strict):
     lora: LoraSpec = Field(default_factory=LoraSpec)
 
 
+class TrainingMethod(_Strict):
+    """The body under ``method.<type>`` for reward_model, dpo and supervised: no grader."""
+
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+
+
 class MethodSpec(BaseModel):
-    """``method``: the type and its block, parsed into typed hyperparameters and a grader."""
+    """``method``: the type and its block, parsed into typed hyperparameters and (RL methods) a grader."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     type: str
-    hyperparameters: RLHyperparameters
-    grader: graders.Grader
+    hyperparameters: Hyperparameters
+    grader: graders.Grader | None
     lora: LoraSpec
 
+    @property
+    def data_format(self) -> Literal["prompts", "preferences", "supervised"]:
+        return DATA_FORMATS[self.type]
+
     def to_json(self) -> dict[str, Any]:
-        return {
-            "type": self.type,
-            self.type: {
-                "grader": self.grader.model_dump(mode="json", exclude_none=True),
-                "hyperparameters": self.hyperparameters.model_dump(mode="json"),
-                "lora": self.lora.model_dump(mode="json"),
-            },
-        }
+        block: dict[str, Any] = {}
+        if self.grader is not None:
+            block["grader"] = self.grader.model_dump(mode="json", exclude_none=True)
+        block["hyperparameters"] = self.hyperparameters.model_dump(mode="json")
+        block["lora"] = self.lora.model_dump(mode="json")
+        return {"type": self.type, self.type: block}
 
 
 class JobSpec(BaseModel):
@@ -247,23 +330,27 @@ def _parse_method(raw: Any) -> MethodSpec:
         raise SpecError(f"unknown field (the method block's key must equal type {mtype!r})", param=f"method.{extra[0]}")
     if mtype not in raw:
         raise SpecError("field required", param=f"method.{mtype}")
+    rl = key in RL_METHODS
     try:
-        body = RLMethod.model_validate(raw[mtype])
+        body: RLMethod | TrainingMethod = (RLMethod if rl else TrainingMethod).model_validate(raw[mtype])
     except ValidationError as err:
         raise _first_error(err, f"method.{mtype}") from None
     try:
         hp = HYPERPARAMETERS[key].model_validate(body.hyperparameters)
     except ValidationError as err:
         raise _first_error(err, f"method.{mtype}.hyperparameters") from None
-    try:
-        grader = graders.parse_grader(body.grader)
-    except graders.GraderError as err:
-        raise SpecError(str(err), param=f"method.{mtype}.grader") from None
-    _check_method(key, hp, f"method.{mtype}.hyperparameters")
+    grader: graders.Grader | None = None
+    if isinstance(body, RLMethod):
+        try:
+            grader = graders.parse_grader(body.grader)
+        except graders.GraderError as err:
+            raise SpecError(str(err), param=f"method.{mtype}.grader") from None
+    if isinstance(hp, RLHyperparameters):
+        _check_rl_method(key, hp, f"method.{mtype}.hyperparameters")
     return MethodSpec(type=key, hyperparameters=hp, grader=grader, lora=body.lora)
 
 
-def _check_method(method: str, hp: RLHyperparameters, where: str) -> None:
+def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
     from trainer.recipes import RECIPES  # recipes import this module's hyperparameter models
 
     recipe = RECIPES[method]

@@ -1,5 +1,8 @@
 """Methods are recipes, not subclasses: each online RL method is one row naming its parts.
 
+The preference methods (reward_model, dpo) and supervised have their own loops (``trainer.preference``,
+``trainer.supervised``) and losses in registries of ``trainer.core_algos``.
+
 The hyperparameter model of each method (``trainer.config``) carries the paper's defaults for the knobs a user can
 turn (clip range, β, aggregation, ...); the row fixes what makes the method itself.
 """
@@ -15,16 +18,20 @@ from trainer.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    advantage: str  # key of ADVANTAGE_ESTIMATORS
+    advantage: str  # key of ADVANTAGE_ESTIMATORS, or "gae" for a method with a value model
     policy_loss: str  # key of POLICY_LOSSES
     kl_placement: Literal["loss", "reward"]  # β·KL added to the per-token loss, or −β·Σ_t KL to the reward
     needs_group: bool  # the baseline compares samples of one prompt: G ≥ 2
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups and sample more (hyperparameter can turn it off)
     overlong_shaping: bool = False  # DAPO: soft overlong punishment added to the reward
+    critic: bool = False  # PPO: a value model, per-token rewards and GAE (``trainer.core_algos.gae``)
     paper: str = ""
 
     def __post_init__(self) -> None:
-        ADVANTAGE_ESTIMATORS.get(self.advantage)
+        if self.critic:
+            assert self.advantage == "gae" and self.kl_placement == "reward", "a critic's advantages are GAE's"
+        else:
+            ADVANTAGE_ESTIMATORS.get(self.advantage)
         POLICY_LOSSES.get(self.policy_loss)
 
 
@@ -45,5 +52,6 @@ RECIPES: dict[str, Recipe] = {
         ),
         Recipe("rloo", "rloo", "sequence_clipped", "reward", needs_group=True, paper="arXiv 2402.14740"),
         Recipe("reinforce", "reinforce", "clipped", "reward", needs_group=False, paper="Williams 1992"),
+        Recipe("ppo", "gae", "clipped", "reward", needs_group=False, critic=True, paper="arXiv 1707.06347, 2203.02155"),
     )
 }

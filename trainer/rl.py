@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import AutoConfig
 
@@ -70,21 +68,7 @@ from trainer.rollout import (
     left_pad,
     micro_slices,
 )
-
-
-@dataclass(frozen=True)
-class RunResult:
-    last_step: int
-    total_steps: int
-    stopped: bool  # True when should_stop() ended the run early
-    adapter_dir: Path | None  # the final adapter (None when stopped early)
-    final_metrics: dict[str, float]
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+from trainer.train import RunResult, seed_everything
 
 
 def total_steps(hp: RLHyperparameters, n_prompts: int) -> int:
@@ -121,8 +105,10 @@ class RLTrainer:
 
     def __init__(self, spec: JobSpec, *, output_dir: Path, callback: Callback, device: torch.device | None = None):
         self.spec, self.out, self.cb = spec, output_dir, callback
+        assert isinstance(spec.method.hyperparameters, RLHyperparameters)
         self.hp: RLHyperparameters = spec.method.hyperparameters
         self.recipe: Recipe = RECIPES[spec.method.type]
+        assert spec.method.grader is not None, "RL methods have a grader (config._parse_method)"
         self.grader = spec.method.grader
         hp = self.hp
 
@@ -595,15 +581,3 @@ def _mean(x: torch.Tensor) -> float:
 
 def _std(x: torch.Tensor) -> float:
     return float(x.float().std()) if x.numel() > 1 else 0.0
-
-
-def train(
-    spec: JobSpec,
-    *,
-    output_dir: Path,
-    callback: Callback,
-    resume: bool = False,
-    device: torch.device | None = None,
-) -> RunResult:
-    """Run a spec to the end (or until ``callback.should_stop()``); see :class:`RLTrainer`."""
-    return RLTrainer(spec, output_dir=output_dir, callback=callback, device=device).run(resume=resume)

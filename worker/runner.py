@@ -121,12 +121,12 @@ def main(run_dir: Path) -> int:
 
         from trainer.config import parse_spec
         from trainer.models import ModelError
-        from trainer.rl import RLTrainer
+        from trainer.train import build_trainer
 
         hf_logging.disable_progress_bar()
         spec = parse_spec(json.loads((run_dir / "spec.json").read_text()))
         try:
-            trainer = RLTrainer(spec, output_dir=run_dir, callback=_make_callback(pipe, stop, progress))
+            trainer = build_trainer(spec, output_dir=run_dir, callback=_make_callback(pipe, stop, progress))
         except OSError as err:  # the datasets are local files the worker wrote: this is the model or its tokenizer
             raise ModelError(f"cannot load model {spec.model!r}: {err}") from err
         pipe.send("started", total_steps=trainer.total_steps)

@@ -15,7 +15,7 @@ import pytest
 from trainer import metrics as M
 from trainer.callbacks import JsonlFiles
 from trainer.config import parse_spec
-from trainer.rl import train
+from trainer.train import train
 
 ACCURACY = {
     "type": "string_check",

@@ -19,7 +19,8 @@ from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
 from trainer.checkpoint import list_checkpoints
 from trainer.config import SpecError, parse_spec
 from trainer.data import DatasetError
-from trainer.rl import RLTrainer, train
+from trainer.rl import RLTrainer
+from trainer.train import train
 
 SIM = {
     "type": "text_similarity",
