@@ -31,8 +31,29 @@ LEARNING_RATE = "lr"
 KL_COEF = "kl/coef"
 VAL_REWARD_MEAN = "val/reward/mean"
 
+# PPO's value model (GAE advantages; the KL penalty is in the per-token reward)
+LOSS_VALUE = "loss/value"  # ½·max((V − R)², (V_clipped − R)²), token mean, before vf_coef
+VALUE_MEAN = "value/mean"  # mean V over completion tokens at sampling time
+RETURNS_MEAN = "returns/mean"  # mean GAE return R = A + V over completion tokens
+EXPLAINED_VARIANCE = "value/explained_variance"  # 1 − Var(R − V)/Var(R) over completion tokens
+VALUE_CLIP_FRAC = "value/clip_frac"  # fraction of tokens where the clipped value loss is the larger one
+NON_SCORE_REWARD = "reward/non_score"  # mean over sequences of Σ_t −β·KL_t: the KL part of the return
+
+# Preference methods (reward_model, dpo) and supervised; the training loss is LOSS_TOTAL
+PREFERENCE_ACCURACY = "preference/accuracy"  # fraction of pairs whose chosen reward beats the rejected one
+PREFERENCE_MARGIN = "preference/margin"  # mean r_chosen − r_rejected (DPO: of the implicit rewards)
+REWARDS_CHOSEN = "rewards/chosen"  # mean reward of the chosen completions (DPO: β·(log π − log π_ref))
+REWARDS_REJECTED = "rewards/rejected"
+TOKEN_ACCURACY = "token_accuracy"  # supervised: argmax next-token accuracy on the trained (assistant) tokens
+VAL_LOSS = "val/loss"
+
 TIMING_METRICS = frozenset({TOKENS_PER_S_GENERATION, TOKENS_PER_S_TRAINING, STEP_SECONDS, GENERATION_SECONDS})
 """Wall-clock metrics: everything else is a deterministic function of the seed on a given machine."""
+
+
+def validation(name: str) -> str:
+    """The validation series of a training metric, e.g. ``val/preference/accuracy``."""
+    return f"val/{name}"
 
 
 def reward_of(grader: str, *, validation: bool = False) -> str:
