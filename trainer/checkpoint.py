@@ -57,8 +57,11 @@ def set_rng_state(state: dict[str, Any], sampling: torch.Generator) -> None:
 
 
 def save_adapter(model: PeftModel, out: Path) -> Path:
+    """The policy's adapter only: PPO's critic adapter on the same base is trainer state, not part of the result."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
+    names = list(model.peft_config)
+    selected = ["default"] if len(names) > 1 and "default" in names else None
+    model.save_pretrained(str(out), safe_serialization=True, selected_adapters=selected)
     return out
 
 

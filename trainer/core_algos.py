@@ -337,6 +337,79 @@ def aggregate_seq_mean_token_sum_norm(per_token: Tensor, mask: Tensor, scale: Lo
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# PPO with a value model: per-token rewards, GAE, the clipped value loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def ppo_token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, *, beta: float) -> Tensor:
+    """Per-token rewards of RLHF's PPO (Ziegler et al. 2019; Ouyang et al. 2022): r_t = −β·KL_t on every completion
+    token, and the score added on the last one (verl's and OpenRLHF's placement, not TRL's one-past-EOS slot,
+    rl-algorithms §4.5). scores [B], kl and mask [B, T] → [B, T], 0 where mask = 0. A sequence with no completion
+    token gets no reward."""
+    m = mask.to(kl.dtype)
+    rewards = torch.where(mask.bool(), -beta * kl, torch.zeros_like(kl))
+    lengths = m.sum(-1).long()  # the completion mask is a prefix: its last 1 is at length − 1
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    rewards[rows, lengths[rows] - 1] += scores[rows].to(rewards.dtype)
+    return rewards
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv 1506.02438), rewards / values / mask [B, T] →
+    (advantages, returns) [B, T], both 0 where mask = 0:
+
+        δ_t = r_t + γ·V_{t+1} − V_t,   A_t = δ_t + γλ·A_{t+1},   returns = A + V,
+
+    with V = 0 past the last completion token. Masked positions are skipped, carrying V_{t+1} and A_{t+1} through
+    them (verl's masked GAE), so values on non-completion positions never reach the advantages."""
+    m = mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    last_adv = torch.zeros_like(values[:, 0])
+    adv = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * last_adv
+        next_value = torch.where(m[:, t] > 0, values[:, t], next_value)
+        last_adv = torch.where(m[:, t] > 0, a, last_adv)
+        adv[:, t] = last_adv
+    adv = adv * m
+    return adv, (adv + values) * m
+
+
+@dataclass(frozen=True)
+class ValueLossOutput:
+    per_token: Tensor  # [B, T] ½·max((V − R)², (V_clip − R)²), 0 where mask = 0
+    clipped: Tensor  # [B, T] bool: the clipped term is the larger one (its gradient is 0)
+
+
+def value_loss_clipped(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None
+) -> ValueLossOutput:
+    """PPO's clipped value loss (TRL, verl, OpenRLHF alike), [B, T] each: V_clip = V_old + clamp(V − V_old, ±ε_v),
+    L_t = ½·max((V − R)², (V_clip − R)²); ``clip = None`` gives ½(V − R)²."""
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        loss, clipped = unclipped, torch.zeros_like(mask, dtype=torch.bool)
+    else:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        clipped_sq = (v_clip - returns) ** 2
+        loss = torch.maximum(unclipped, clipped_sq)
+        clipped = (clipped_sq > unclipped) & mask.bool()
+    return ValueLossOutput(torch.where(mask.bool(), 0.5 * loss, torch.zeros_like(loss)), clipped)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 − Var(R − V)/Var(R) over the masked tokens: 1 is a perfect critic, 0 no better than a constant, < 0 worse.
+    NaN when the returns do not vary."""
+    m = mask.bool()
+    r, v = returns[m].double(), values[m].double()
+    if r.numel() < 2:
+        return float("nan")
+    var_r = r.var()
+    return float(1.0 - (r - v).var() / var_r) if var_r > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # DAPO's reward shaping and the adaptive KL controller
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -370,3 +443,76 @@ def cosine_or_constant_lr(step: int, *, warmup: int, total: int, schedule: Liter
     span = max(total - warmup, 1)
     progress = min(max(step - warmup, 0) / span, 1.0)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pairwise preference losses: Bradley–Terry reward models and DPO
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairwiseOptions:
+    """What a pairwise loss may need besides the two [B] inputs. Defaults are the papers'.
+
+    ``beta``: DPO's β (the Bradley–Terry loss ignores it); ``label_smoothing``: ε, the assumed fraction of flipped
+    labels (cDPO / robust DPO); ``margin``: the Bradley–Terry margin m, a constant or one per pair [B];
+    ``center_coefficient``: c of the reward-centring term c·(r_c + r_r)²; ``chosen_tokens`` / ``rejected_tokens``
+    [B]: completion lengths |o|, used by IPO's length normalisation."""
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    margin: Tensor | float = 0.0
+    center_coefficient: float = 0.0
+    chosen_tokens: Tensor | None = None
+    rejected_tokens: Tensor | None = None
+
+
+PairwiseLoss = Callable[[Tensor, Tensor, PairwiseOptions], Tensor]
+PAIRWISE_LOSSES: Registry[PairwiseLoss] = Registry("pairwise loss")
+"""(chosen, rejected, options) → the loss of every pair [B]; the batch loss is its mean. For ``bradley_terry`` the
+inputs are the reward model's scores r_c, r_r; for the ``dpo_*`` losses they are the policy-to-reference log-ratios
+Δ_c = log π(y_c|x) − log π_ref(y_c|x) and Δ_r, each a sum over the completion's tokens."""
+
+
+@PAIRWISE_LOSSES.register("bradley_terry")
+def pairwise_bradley_terry(chosen: Tensor, rejected: Tensor, opts: PairwiseOptions) -> Tensor:
+    """−log σ(r_c − r_r − m) + c·(r_c + r_r)², per pair [B] (Bradley & Terry 1952; InstructGPT arXiv 2203.02155;
+    the centring term of Eisenstein et al. arXiv 2312.09244, TRL's ``center_rewards_coefficient``)."""
+    # −log σ(x) = softplus(−x), stable for any x
+    loss = torch.nn.functional.softplus(-(chosen - rejected - opts.margin))
+    if opts.center_coefficient:
+        loss = loss + opts.center_coefficient * (chosen + rejected) ** 2
+    return loss
+
+
+@PAIRWISE_LOSSES.register("dpo_sigmoid")
+def pairwise_dpo_sigmoid(chosen: Tensor, rejected: Tensor, opts: PairwiseOptions) -> Tensor:
+    """−(1 − ε)·log σ(β·u) − ε·log σ(−β·u), u = Δ_c − Δ_r, per pair [B] (DPO, Rafailov et al. arXiv 2305.18290;
+    with ε > 0 the conservative cDPO of Mitchell 2023, TRL's ``sigmoid`` with ``label_smoothing``)."""
+    z = opts.beta * (chosen - rejected)
+    eps = opts.label_smoothing
+    return (1 - eps) * torch.nn.functional.softplus(-z) + eps * torch.nn.functional.softplus(z)
+
+
+@PAIRWISE_LOSSES.register("dpo_robust")
+def pairwise_dpo_robust(chosen: Tensor, rejected: Tensor, opts: PairwiseOptions) -> Tensor:
+    """[−(1 − ε)·log σ(β·u) + ε·log σ(−β·u)] / (1 − 2ε), u = Δ_c − Δ_r, per pair [B]: unbiased under label noise ε
+    (robust DPO, Chowdhury et al. arXiv 2403.00409; TRL's ``robust``). Needs ε < 1/2."""
+    z = opts.beta * (chosen - rejected)
+    eps = opts.label_smoothing
+    return ((1 - eps) * torch.nn.functional.softplus(-z) - eps * torch.nn.functional.softplus(z)) / (1 - 2 * eps)
+
+
+@PAIRWISE_LOSSES.register("dpo_ipo")
+def pairwise_dpo_ipo(chosen: Tensor, rejected: Tensor, opts: PairwiseOptions) -> Tensor:
+    """(Δ_c/|o_c| − Δ_r/|o_r| − 1/(2β))², per pair [B] (IPO, Azar et al. arXiv 2310.12036), each log-ratio divided
+    by its completion length as TRL does (lengths 1 when not given)."""
+    c = chosen / opts.chosen_tokens if opts.chosen_tokens is not None else chosen
+    r = rejected / opts.rejected_tokens if opts.rejected_tokens is not None else rejected
+    return (c - r - 1 / (2 * opts.beta)) ** 2
+
+
+@PAIRWISE_LOSSES.register("dpo_hinge")
+def pairwise_dpo_hinge(chosen: Tensor, rejected: Tensor, opts: PairwiseOptions) -> Tensor:
+    """max(0, 1 − β·u), u = Δ_c − Δ_r, per pair [B] (SLiC, Zhao et al. arXiv 2305.10425; TRL's ``hinge``)."""
+    return torch.relu(1 - opts.beta * (chosen - rejected))

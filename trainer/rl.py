@@ -1,9 +1,13 @@
-"""The online RL loop (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE), readable top to bottom.
+"""The online RL loop (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE, PPO), readable top to bottom.
 
 One training step: sample ``batch_size`` prompts → ``group_size`` completions each → grade → (DAPO) drop all-equal
 groups and sample more → advantages → μ passes of mini-batch updates, each mini-batch accumulated over micro-batches
 against the mini-batch's totals → metrics, rollouts, checkpoint. The recipe row (``trainer.recipes``) names the
 method's parts; the math lives in ``trainer.core_algos``.
+
+PPO (a recipe with a critic) differs in three places only: the value model's V is computed with the rollout, the
+advantages are GAE's over per-token rewards (score on the last token, −β·KL on every token, β fixed or adaptive),
+and each micro-batch adds the clipped value loss (``trainer.critic``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from trainer.callbacks import Callback
 from trainer.config import (
     DAPOHyperparameters,
     JobSpec,
+    PPOHyperparameters,
     ReinforceHyperparameters,
     RLHyperparameters,
     SpecError,
@@ -38,11 +43,18 @@ from trainer.core_algos import (
     AdvantageOptions,
     ClipOptions,
     LossScale,
+    adaptive_kl_update,
     cosine_or_constant_lr,
+    explained_variance,
+    gae,
     masked_mean,
     masked_sum,
+    masked_whiten,
     overlong_penalty,
+    ppo_token_rewards,
+    value_loss_clipped,
 )
+from trainer.critic import Critic
 from trainer.data import DatasetError, PromptItem, PromptSampler, load_prompts
 from trainer.evaluate import decode_completions, evaluate, grade_batch
 from trainer.models import (
@@ -94,6 +106,8 @@ class _Batch:
     texts: list[str]
     old_logp: torch.Tensor | None  # [N, C] behaviour log-probs (computed when needed)
     ref_logp: torch.Tensor | None  # [N, C]
+    values: torch.Tensor | None  # [N, C] the critic's V at sampling time (PPO)
+    returns: torch.Tensor | None  # [N, C] GAE returns A + V (PPO)
     groups_sampled: int
     groups_zero_std: int
     sampling_batches: int
@@ -152,13 +166,21 @@ class RLTrainer:
         if self.precision == "bf16" and self.device.type == "cpu":
             # The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md); decoding keeps SDPA.
             self.model.get_base_model().set_attn_implementation("eager")
-        self.params = trainable_parameters(self.model)
+        self.params = trainable_parameters(self.model)  # the policy's LoRA weights
+        self.critic = self._make_critic() if self.recipe.critic else None
+        self.critic_params = self.critic.parameters() if self.critic is not None else []
+        groups: list[dict[str, Any]] = [{"params": self.params, "lr": hp.effective_learning_rate}]
+        if self.critic is not None:
+            assert isinstance(hp, PPOHyperparameters)
+            value_lr = hp.value_learning_rate or hp.learning_rate
+            groups.append({"params": self.critic_params, "lr": value_lr * hp.learning_rate_multiplier})
         self.optimizer = torch.optim.AdamW(
-            self.params,
+            groups,
             lr=hp.effective_learning_rate,
             betas=(hp.adam_beta1, hp.adam_beta2),
             weight_decay=hp.weight_decay,
         )
+        self.kl_coef = hp.beta  # PPO's adaptive controller moves it; saved with every checkpoint
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: cosine_or_constant_lr(
@@ -168,7 +190,8 @@ class RLTrainer:
         self.sampler = PromptSampler(len(self.train_items), seed=spec.seed)
         self.generator = torch.Generator(self.device).manual_seed(spec.seed)
 
-        self.advantage = ADVANTAGE_ESTIMATORS.get(self.recipe.advantage)
+        # PPO's advantages are GAE's over per-token rewards (_gae_advantages), the others' come from the registry.
+        self.advantage = None if self.recipe.critic else ADVANTAGE_ESTIMATORS.get(self.recipe.advantage)
         self.policy_loss = POLICY_LOSSES.get(self.recipe.policy_loss)
         self.aggregate = AGGREGATIONS.get(hp.loss_aggregation)
         self.kl = KL_ESTIMATORS.get(hp.kl_estimator)
@@ -182,6 +205,32 @@ class RLTrainer:
         # makes ρ ≡ 1 exactly (as TRL does) instead of relying on two forward passes agreeing bit for bit.
         self.on_policy = hp.iterations_per_batch == 1 and hp.mini_batches == 1
 
+    def _make_critic(self) -> Critic:
+        hp = self.hp
+        assert isinstance(hp, PPOHyperparameters)
+        where = f"method.{self.spec.method.type}.hyperparameters.value_model"
+        separate = None
+        if hp.value_model is not None:
+            try:
+                separate = load_base_model(hp.value_model, self.device)
+            except ModelError as err:
+                raise SpecError(str(err), param=where) from None
+            emb = separate.get_input_embeddings()
+            if emb is None or emb.num_embeddings < len(self.tokenizer):
+                raise SpecError(
+                    f"value model {hp.value_model!r} does not share the policy's vocabulary "
+                    f"({len(self.tokenizer)} tokens): the critic reads the policy's token ids",
+                    param=where,
+                )
+            if self.precision == "bf16":
+                store_frozen_linears_in(separate, torch.bfloat16)
+                if self.device.type == "cpu":
+                    separate.set_attn_implementation("eager")
+        try:
+            return Critic(self.model, lora=self.spec.method.lora, seed=self.spec.seed, separate_base=separate)
+        except ModelError as err:
+            raise SpecError(str(err), param=where) from None
+
     # -- state -------------------------------------------------------------------------------------------------
 
     def _state(self, step: int) -> dict[str, Any]:
@@ -192,6 +241,8 @@ class RLTrainer:
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng": ckpt.rng_state(self.generator),
+            "kl_coef": self.kl_coef,
+            "critic": self.critic.state_dict() if self.critic is not None else None,
         }
 
     def _load_state(self, state: dict[str, Any]) -> int:
@@ -205,6 +256,9 @@ class RLTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"], self.generator)
+        self.kl_coef = float(state.get("kl_coef", self.hp.beta))
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
         return int(state["step"])
 
     def _save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
@@ -324,6 +378,8 @@ class RLTrainer:
                 [],
                 None,
                 None,
+                None,
+                None,
                 sampled,
                 zero_std,
                 batches,
@@ -339,6 +395,8 @@ class RLTrainer:
             texts=[t for k in kept for t in k[5]],
             old_logp=None,
             ref_logp=None,
+            values=None,
+            returns=None,
             groups_sampled=sampled,
             groups_zero_std=zero_std,
             sampling_batches=batches,
@@ -349,11 +407,60 @@ class RLTrainer:
             batch.old_logp = self._logprobs(rollout, reference=False)
         if hp.beta > 0:
             batch.ref_logp = self._logprobs(rollout, reference=True)
-        if kl_in_reward:
+        if self.critic is not None:
+            batch.values = self._values(rollout)
+        elif kl_in_reward:  # RLOO, REINFORCE: −β·Σ_t KL_t joins the sequence's reward
             assert batch.old_logp is not None and batch.ref_logp is not None
             seq_kl = masked_sum(self.kl(batch.old_logp, batch.ref_logp), rollout.completion_mask, dim=-1)
             batch.rewards = batch.rewards - hp.beta * seq_kl.cpu()
         return batch
+
+    @torch.no_grad()
+    def _values(self, ro: Rollout) -> torch.Tensor:
+        """The critic's V of the whole rollout, micro-batch by micro-batch: [N, C]."""
+        assert self.critic is not None
+        width = ro.completion_ids.shape[1]
+        out = []
+        for sl in micro_slices(len(ro), self.hp.micro_batch_size):
+            v = self.critic.values(ro.select(torch.arange(sl.start, sl.stop)), precision=self.precision)
+            out.append(torch.nn.functional.pad(v, (0, width - v.shape[1])))
+        return torch.cat(out)
+
+    def _gae_advantages(self, batch: _Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """PPO: per-token rewards (score on the last token, −β·KL on each) → GAE → advantages [N, C] and returns."""
+        hp = self.hp
+        assert isinstance(hp, PPOHyperparameters) and batch.values is not None
+        ro = batch.rollout
+        cmask = ro.completion_mask.to(torch.float32)
+        if batch.ref_logp is not None:
+            assert batch.old_logp is not None
+            kl_tok = self.kl(batch.old_logp, batch.ref_logp) * cmask
+        else:
+            kl_tok = torch.zeros_like(cmask)
+        rewards = ppo_token_rewards(batch.rewards.to(cmask.device), kl_tok, cmask, beta=self.kl_coef)
+        if hp.whiten_rewards:
+            rewards = masked_whiten(rewards, cmask, shift_mean=False) * cmask
+        adv, returns = gae(rewards, batch.values, cmask, gamma=hp.gamma, lam=hp.lam)
+        if hp.whiten_advantages:
+            adv = masked_whiten(adv, cmask) * cmask
+        batch.returns = returns
+        seq_kl = masked_sum(kl_tok, cmask, dim=-1)  # [N] the sequence-level KL the controller tracks
+        m = {
+            M.VALUE_MEAN: float(masked_mean(batch.values, cmask)),
+            M.RETURNS_MEAN: float(masked_mean(returns, cmask)),
+            M.EXPLAINED_VARIANCE: explained_variance(batch.values, returns, cmask),
+            M.NON_SCORE_REWARD: float((-self.kl_coef * seq_kl).mean()),
+        }
+        if hp.target_kl is not None and batch.ref_logp is not None:
+            # Ziegler et al. 2019: the error is measured on the sequence KL, one update per sample of the batch
+            self.kl_coef = adaptive_kl_update(
+                self.kl_coef,
+                observed_kl=float(seq_kl.mean()),
+                target=hp.target_kl,
+                horizon=hp.kl_horizon,
+                n_steps=len(ro),
+            )
+        return adv, m
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -403,8 +510,14 @@ class RLTrainer:
         n = len(ro)
         m: dict[str, float] = {}
         adv = torch.zeros(0)
+        kl_coef = self.kl_coef  # the coefficient this step's rewards use (PPO's controller updates it below)
         if n:
-            adv = self.advantage(batch.rewards.view(-1, g), self.adv_opts).reshape(-1).to(self.device)
+            if self.critic is not None:
+                adv, ppo_metrics = self._gae_advantages(batch)
+                m |= ppo_metrics
+            else:
+                assert self.advantage is not None
+                adv = self.advantage(batch.rewards.view(-1, g), self.adv_opts).reshape(-1).to(self.device)
             mask = ro.completion_mask.to(torch.float32)
             if hp.mask_truncated_completions:
                 mask = mask * (~ro.truncated).unsqueeze(-1).float()
@@ -428,7 +541,7 @@ class RLTrainer:
             m[M.GROUPS_DROPPED] = float(batch.groups_sampled - n // g)
             m[M.SAMPLING_BATCHES] = float(batch.sampling_batches)
         if hp.beta > 0:
-            m[M.KL_COEF] = hp.beta
+            m[M.KL_COEF] = kl_coef
         m[M.TOKENS_PER_S_GENERATION] = float(lengths.sum()) / max(batch.generation_s, 1e-9) if n else 0.0
 
         if self.val_items and ((hp.eval_interval and step % hp.eval_interval == 0) or step == self.total_steps):
@@ -436,7 +549,8 @@ class RLTrainer:
         m[M.STEP_SECONDS] = time.perf_counter() - t_step
         self.cb.on_metrics(step, m)
         if hp.rollouts_logged and n:
-            self.cb.on_rollouts(step, self._rollout_records(batch, adv.cpu(), hp.rollouts_logged))
+            seq_adv = masked_mean(adv, ro.completion_mask.float(), dim=-1) if adv.dim() == 2 else adv
+            self.cb.on_rollouts(step, self._rollout_records(batch, seq_adv.cpu(), hp.rollouts_logged))
         return m
 
     def _optimise(
@@ -462,6 +576,8 @@ class RLTrainer:
             "kl_loss": 0.0,
             "grad": 0.0,
             "opt_steps": 0.0,
+            "vf": 0.0,
+            "vf_clip": 0.0,
         }
         train_tokens = 0
         t0 = time.perf_counter()
@@ -499,6 +615,19 @@ class RLTrainer:
                             sums["kl"] += float(masked_sum(kl_tok.detach(), pmask))
                             sums["kl_tok"] += float(pmask.sum())
                     loss.backward()
+                    if self.critic is not None:  # a separate graph: no parameter is shared with the policy's
+                        assert batch.values is not None and batch.returns is not None
+                        vl = value_loss_clipped(
+                            self.critic.values(part, precision=self.precision),
+                            batch.values[idx],
+                            batch.returns[idx],
+                            pmask,
+                            clip=hp.cliprange_value,  # type: ignore[attr-defined]
+                        )
+                        vf_loss = self.aggregate(vl.per_token, pmask, scale)
+                        (hp.vf_coef * vf_loss).backward()  # type: ignore[attr-defined]
+                        sums["vf"] += float(vf_loss.detach())
+                        sums["vf_clip"] += float(vl.clipped.sum())
                     sums["pg"] += float(pg_loss.detach())
                     tok = float(pmask.sum())
                     sums["tok"] += tok
@@ -512,6 +641,8 @@ class RLTrainer:
                     train_tokens += int(part.prompt_mask.sum() + part.completion_mask.sum())
                 max_norm = hp.max_grad_norm if hp.max_grad_norm is not None else float("inf")
                 sums["grad"] += float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+                if self.critic_params:  # the critic's gradient scale is its own: clipped separately
+                    torch.nn.utils.clip_grad_norm_(self.critic_params, max_norm)
                 sums["opt_steps"] += 1
                 self.optimizer.step()
                 if self.merged is not None:
@@ -519,12 +650,14 @@ class RLTrainer:
         train_s = time.perf_counter() - t0
         steps = max(sums["opt_steps"], 1.0)
         tok = max(sums["tok"], 1.0)
+        tok_adv = adv[mask.bool()] if adv.dim() == 2 else adv  # per-token advantages: their completion tokens
+        vf_coef = float(getattr(hp, "vf_coef", 0.0))
         out_m = {
-            M.ADVANTAGE_MEAN: _mean(adv),
-            M.ADVANTAGE_STD: _std(adv),
+            M.ADVANTAGE_MEAN: _mean(tok_adv),
+            M.ADVANTAGE_STD: _std(tok_adv),
             M.LOSS_POLICY: sums["pg"] / steps,
             M.LOSS_KL: sums["kl_loss"] / steps,
-            M.LOSS_TOTAL: (sums["pg"] + sums["kl_loss"]) / steps,
+            M.LOSS_TOTAL: (sums["pg"] + sums["kl_loss"] + vf_coef * sums["vf"]) / steps,
             M.CLIP_FRAC_LOW: sums["low"] / tok,
             M.CLIP_FRAC_HIGH: sums["high"] / tok,
             M.APPROX_KL: sums["approx_kl"] / tok,
@@ -534,6 +667,9 @@ class RLTrainer:
         }
         if hp.dual_clip is not None:
             out_m[M.CLIP_FRAC_DUAL] = sums["dual"] / tok
+        if self.critic is not None:
+            out_m[M.LOSS_VALUE] = sums["vf"] / steps
+            out_m[M.VALUE_CLIP_FRAC] = sums["vf_clip"] / tok
         if batch.ref_logp is not None:
             if self.recipe.kl_placement == "reward":
                 assert batch.old_logp is not None

@@ -1,0 +1,157 @@
+"""PPO end to end on a small random model: the value model (second adapter or separate base), its metrics, the
+adaptive KL controller, resume with the critic's state, and a policy adapter that loads alone with PEFT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.e2e.test_rl_loop import StopAfter, deterministic, make_spec, read_metrics
+from trainer import metrics as M
+from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
+from trainer.checkpoint import list_checkpoints
+from trainer.config import SpecError, parse_spec
+from trainer.critic import CRITIC_ADAPTER
+from trainer.rl import RLTrainer
+from trainer.train import train
+
+
+def ppo_spec(model: Path, data: Path, **hp: Any) -> dict[str, Any]:
+    return make_spec(model, data, "ppo", **{"group_size": 2, "batch_size": 8, "iterations_per_batch": 2, **hp})
+
+
+def test_ppo_records_value_metrics_and_trains_policy_and_critic_on_one_base(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=2))
+    t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    assert t.critic is not None and t.critic.shared
+    assert set(t.model.peft_config) == {"default", CRITIC_ADAPTER}  # one base, two adapters
+    frozen = {n: p.detach().clone() for n, p in t.model.named_parameters() if "lora_" not in n}
+    policy_before = [p.detach().clone() for p in t.params]
+    critic_before = [p.detach().clone() for p in t.critic_params]
+    assert not {id(p) for p in t.params} & {id(p) for p in t.critic_params}
+    res = t.run()
+
+    last = read_metrics(tmp_path)[-1]
+    for key in (
+        M.LOSS_VALUE,
+        M.VALUE_MEAN,
+        M.RETURNS_MEAN,
+        M.EXPLAINED_VARIANCE,
+        M.VALUE_CLIP_FRAC,
+        M.NON_SCORE_REWARD,
+        M.KL_COEF,
+        M.KL_MEAN,
+        M.CLIP_FRAC_HIGH,
+        M.ENTROPY_MEAN,
+        M.REWARD_MEAN,
+    ):
+        assert key in last, key
+    assert last[M.KL_COEF] == pytest.approx(0.05)  # TRL's kl_coef, fixed without target_kl
+    assert last[M.LOSS_VALUE] > 0 and 0 <= last[M.VALUE_CLIP_FRAC] <= 1
+    # the non-score reward is −β·(sequence KL), the KL metric its per-token mean: same sign, β apart
+    assert (last[M.NON_SCORE_REWARD] <= 0) == (last[M.KL_MEAN] >= 0)
+    for n, p in t.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, frozen[n]), n  # the base is shared and frozen
+    assert any(not torch.equal(a, b) for a, b in zip(policy_before, t.params, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(critic_before, t.critic_params, strict=True))
+    assert t.model.active_adapter == "default"  # the critic's forward switched back
+
+    # The result is the policy's adapter alone: it loads with PEFT and reproduces the policy.
+    assert res.adapter_dir is not None
+    assert not (res.adapter_dir / CRITIC_ADAPTER).exists()
+    cfg = json.loads((res.adapter_dir / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA"
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.rollout import completion_logprobs, generate, left_pad
+
+    ids, mask = left_pad(t.train_ids[:4], t.tokenizer.pad_token_id)
+    ro = generate(
+        t.model,
+        ids,
+        mask,
+        max_new_tokens=6,
+        eos_id=t.tokenizer.eos_token_id,
+        pad_id=t.tokenizer.pad_token_id,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    with torch.no_grad():
+        mine, _ = completion_logprobs(t.model, ro, temperature=1.0, precision="fp32")
+        base = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).eval()
+        reloaded = PeftModel.from_pretrained(base, str(res.adapter_dir)).eval()
+        again, _ = completion_logprobs(reloaded, ro, temperature=1.0, precision="fp32")
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(again[m], mine[m], rtol=0, atol=1e-5)
+
+
+def test_ppo_resume_restores_critic_and_kl_controller_exactly(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    raw = ppo_spec(random_model_dir, arithmetic_data, max_steps=4, target_kl=0.01, kl_horizon=50, mini_batches=2)
+    full = tmp_path / "full"
+    train(parse_spec(raw), output_dir=full, callback=JsonlFiles(full))
+    coefs = [r[M.KL_COEF] for r in read_metrics(full) if M.KL_COEF in r]
+    assert len(set(coefs)) == 4 and coefs[0] == pytest.approx(0.05)  # the adaptive controller moved β every step
+
+    part = tmp_path / "part"
+    first = train(parse_spec(raw), output_dir=part, callback=Callbacks(JsonlFiles(part), StopAfter(3)))
+    assert first.stopped and [c.step for c in list_checkpoints(part)] == [2, 3]
+    train(parse_spec(raw), output_dir=part, callback=JsonlFiles(part, resume_step=3), resume=True)
+
+    assert deterministic(read_metrics(part)) == deterministic(read_metrics(full))
+    a = torch.load(full / "checkpoints/step-000004/trainer_state.pt", weights_only=False)
+    b = torch.load(part / "checkpoints/step-000004/trainer_state.pt", weights_only=False)
+    assert a["kl_coef"] == b["kl_coef"] != 0.05
+    for name in a["trainable"]:
+        assert torch.equal(a["trainable"][name], b["trainable"][name]), name
+    for part_name in ("lora", "head"):
+        for name, tensor in a["critic"][part_name].items():
+            assert torch.equal(tensor, b["critic"][part_name][name]), name
+    assert any(CRITIC_ADAPTER in n for n in a["critic"]["lora"])
+
+
+def test_ppo_with_a_separate_value_model(random_model_dir: Path, arithmetic_data: Path, tmp_path: Path) -> None:
+    spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1, value_model=str(random_model_dir)))
+    t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
+    assert t.critic is not None and not t.critic.shared
+    assert set(t.model.peft_config) == {"default"}
+    head_before = t.critic.head.weight.detach().clone()
+    m = t.run().final_metrics
+    assert M.LOSS_VALUE in m and not torch.equal(head_before, t.critic.head.weight)
+
+
+def test_ppo_refuses_a_value_model_with_another_vocabulary(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = tmp_path / "small-vocab"
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=8,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(small)
+    spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1, value_model=str(small)))
+    with pytest.raises(SpecError) as err:
+        RLTrainer(spec, output_dir=tmp_path / "run", callback=BaseCallback())
+    assert err.value.param == "method.ppo.hyperparameters.value_model"
+    assert "vocabulary" in str(err.value)
+
+    spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1, value_model=str(tmp_path / "nope")))
+    with pytest.raises(SpecError) as err:
+        RLTrainer(spec, output_dir=tmp_path / "run2", callback=BaseCallback())
+    assert err.value.param == "method.ppo.hyperparameters.value_model"

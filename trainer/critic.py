@@ -1,0 +1,133 @@
+"""PPO's value model: V(s_t) for every completion position, a scalar head on a backbone's last hidden state.
+
+By default the critic shares the policy's frozen base weights: it is a second LoRA adapter (``critic``) on the same
+:class:`~peft.PeftModel`, switched on only for the value forward, so policy, reference (adapter disabled) and critic
+hold one copy of the base in memory. With ``value_model`` set it is a separate base model with its own adapter
+(its tokenizer's vocabulary must be the policy's: the critic reads the same token ids).
+
+V is read where the policy's logits are: the hidden state at position ``t − 1`` values the state before completion
+token ``t`` is chosen (TRL's ``full_value[:, context_length − 1 : −1]``). The head is zero-initialised, so V starts
+at 0 (no baseline) and no random value noise enters the first advantages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel
+from torch import Tensor
+
+from trainer.config import LoraSpec
+from trainer.models import ModelError, Precision, add_lora, autocast
+from trainer.rollout import Rollout, position_ids
+
+CRITIC_ADAPTER = "critic"
+POLICY_ADAPTER = "default"
+
+
+class Critic:
+    """The value model: a LoRA adapter on a backbone plus ``head`` (hidden → 1, fp32)."""
+
+    def __init__(
+        self,
+        policy: PeftModel,
+        *,
+        lora: LoraSpec,
+        seed: int,
+        separate_base: torch.nn.Module | None = None,
+    ) -> None:
+        self.shared = separate_base is None
+        if separate_base is None:
+            torch.manual_seed(seed + 1)  # the critic's LoRA A differs from the policy's
+            cfg = LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=0.0,  # dropout in the critic makes V noisy at a fixed state (rl-algorithms §4.11)
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            )
+            policy.add_adapter(CRITIC_ADAPTER, cfg)
+            self.model: PeftModel = policy
+            with self._active():  # add_adapter leaves the new adapter inactive and frozen: train it
+                pass
+        else:
+            self.model = add_lora(separate_base, lora.model_copy(update={"dropout": 0.0}), seed=seed + 1)
+        backbone = self._backbone()
+        hidden = int(backbone.config.hidden_size)
+        device = next(self.model.parameters()).device
+        self.head = torch.nn.Linear(hidden, 1, device=device, dtype=torch.float32)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    # -- parameters -----------------------------------------------------------------------------------------------
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The critic's trainable parameters: its LoRA weights and the head."""
+        lora = [
+            p
+            for n, p in self.model.named_parameters()
+            if "lora_" in n and (not self.shared or f".{CRITIC_ADAPTER}." in n)
+        ]
+        return [*lora, *self.head.parameters()]
+
+    def state_dict(self) -> dict[str, Any]:
+        named = dict(self.model.named_parameters())
+        ids = {id(p) for p in self.parameters()}
+        return {
+            "lora": {n: p.detach().clone() for n, p in named.items() if id(p) in ids},
+            "head": {k: v.detach().clone() for k, v in self.head.state_dict().items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, t in state["lora"].items():
+                named[n].copy_(t)
+        self.head.load_state_dict(state["head"])
+
+    # -- forward --------------------------------------------------------------------------------------------------
+
+    def _backbone(self) -> torch.nn.Module:
+        base = self.model.get_base_model()
+        backbone = getattr(base, "base_model", None)
+        if backbone is None or backbone is base or not hasattr(backbone, "config"):
+            raise ModelError(
+                f"{type(base).__name__} has no backbone to read hidden states from: it cannot carry a value head"
+            )
+        return backbone
+
+    @contextlib.contextmanager
+    def _active(self) -> Iterator[None]:
+        """Route the shared base through the critic's adapter. PEFT's ``set_adapter`` also freezes the inactive
+        adapter's weights; both adapters are trained, so their ``requires_grad`` is restored on the way in and out."""
+        if not self.shared:
+            yield
+            return
+        trainable = [p for n, p in self.model.named_parameters() if "lora_" in n]
+        self.model.set_adapter(CRITIC_ADAPTER)
+        for p in trainable:
+            p.requires_grad_(True)
+        try:
+            yield
+        finally:
+            self.model.set_adapter(POLICY_ADAPTER)
+            for p in trainable:
+                p.requires_grad_(True)
+
+    def values(self, batch: Rollout, *, precision: Precision) -> Tensor:
+        """V for every completion position, [B, C] fp32; differentiable when grad is enabled."""
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+        c = batch.completion_ids.shape[1]
+        with self._active(), autocast(precision, ids.device):
+            hidden = self._backbone()(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position_ids(mask),
+                use_cache=False,
+            ).last_hidden_state
+        h = hidden[:, -c - 1 : -1].float()  # position t − 1 values the state before completion token t
+        return self.head(h).squeeze(-1)
