@@ -206,12 +206,16 @@ class DPOHyperparameters(Hyperparameters):
 
 
 class SupervisedHyperparameters(Hyperparameters):
-    """Supervised fine-tuning: next-token cross-entropy on the assistant tokens only."""
+    """Supervised fine-tuning: next-token cross-entropy on the assistant tokens only, a token mean over the whole
+    step's batch (the accumulated micro-batches give exactly the full batch's loss)."""
 
     learning_rate: float = Field(2e-4, gt=0, le=1.0)
     max_length: int = Field(1024, ge=2, description="tokens per example (per packed row with packing)")
     packing: bool = Field(False, description="pack examples into rows of max_length (attention kept per example)")
     group_by_length: bool = Field(True, description="batch examples of similar length (less padding)")
+    assistant_turns: Literal["all", "last"] = Field(
+        "all", description="train on every assistant turn (OpenAI's weight 0 excepted) or on the final one only"
+    )
 
 
 HYPERPARAMETERS: dict[str, type[Hyperparameters]] = {

@@ -197,8 +197,12 @@ def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
+def _supervised_row(a: int, b: int) -> dict[str, Any]:
+    return {"messages": [*_messages(a, b), {"role": "assistant", "content": answer_text(a, b)}]}
+
+
 def write_arithmetic_datasets(
-    out_dir: Path, *, seed: int = 0, n_train: int = 2000, n_preferences: int = 1000
+    out_dir: Path, *, seed: int = 0, n_train: int = 2000, n_preferences: int = 1000, n_supervised: int = 1000
 ) -> dict[str, Path]:
     """Write the task's datasets as JSONL into `out_dir` and return their paths by name.
 
@@ -206,20 +210,25 @@ def write_arithmetic_datasets(
       200 held-out pairs of `split_pairs()`, train is `n_train` pairs drawn from the rest.
     - `preferences` / `validation_preferences`: OpenAI preference rows whose non-preferred answer is the
       dropped-carry one where that is wrong (the model's own typical mistake), else another wrong sum.
+    - `supervised` / `validation_supervised`: conversations `{"messages": [user, assistant]}` with the
+      correct sum as the assistant turn (`n_supervised` training pairs; validation is the held-out 200).
     """
     train_pairs, validation_pairs = split_pairs()
     if not 0 < n_train <= len(train_pairs):
         raise ValueError(f"n_train must be in 1..{len(train_pairs)}, got {n_train}")
     if not 0 < n_preferences <= len(train_pairs):
         raise ValueError(f"n_preferences must be in 1..{len(train_pairs)}, got {n_preferences}")
+    if not 0 < n_supervised <= len(train_pairs):
+        raise ValueError(f"n_supervised must be in 1..{len(train_pairs)}, got {n_supervised}")
     rng = random.Random(seed)
     rl_train = rng.sample(train_pairs, n_train)
     preference_train = rng.sample(train_pairs, n_preferences)
+    # Its own generator: the files written before the supervised ones stay byte-identical to earlier versions.
+    supervised_train = random.Random(f"supervised:{seed}").sample(train_pairs, n_supervised)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        name: out_dir / f"{name}.jsonl" for name in ("train", "validation", "preferences", "validation_preferences")
-    }
+    names = ("train", "validation", "preferences", "validation_preferences", "supervised", "validation_supervised")
+    paths = {name: out_dir / f"{name}.jsonl" for name in names}
     _write_jsonl(paths["train"], [{"messages": _messages(a, b), "answer": answer_text(a, b)} for a, b in rl_train])
     _write_jsonl(
         paths["validation"],
@@ -227,6 +236,8 @@ def write_arithmetic_datasets(
     )
     _write_jsonl(paths["preferences"], [_preference_row(a, b, rng) for a, b in preference_train])
     _write_jsonl(paths["validation_preferences"], [_preference_row(a, b, rng) for a, b in validation_pairs])
+    _write_jsonl(paths["supervised"], [_supervised_row(a, b) for a, b in supervised_train])
+    _write_jsonl(paths["validation_supervised"], [_supervised_row(a, b) for a, b in validation_pairs])
     return paths
 
 

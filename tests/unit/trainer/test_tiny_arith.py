@@ -123,7 +123,14 @@ def test_build_tokenizer_is_deterministic(tokenizer: PreTrainedTokenizerFast) ->
 
 def test_write_arithmetic_datasets_writes_the_documented_shapes(tmp_path: Path) -> None:
     paths = write_arithmetic_datasets(tmp_path, seed=0, n_train=300, n_preferences=150)
-    assert set(paths) == {"train", "validation", "preferences", "validation_preferences"}
+    assert set(paths) == {
+        "train",
+        "validation",
+        "preferences",
+        "validation_preferences",
+        "supervised",
+        "validation_supervised",
+    }
     train, validation = _read_jsonl(paths["train"]), _read_jsonl(paths["validation"])
     preferences = _read_jsonl(paths["preferences"])
     validation_preferences = _read_jsonl(paths["validation_preferences"])
@@ -144,6 +151,16 @@ def test_write_arithmetic_datasets_writes_the_documented_shapes(tmp_path: Path) 
         assert bad["content"] != good["content"] and int(bad["content"]) >= 0
         if dropped_carry(a, b) != a + b:
             assert bad["content"] == str(dropped_carry(a, b))
+
+    supervised, validation_supervised = _read_jsonl(paths["supervised"]), _read_jsonl(paths["validation_supervised"])
+    assert (len(supervised), len(validation_supervised)) == (1000, 200)
+    for row in supervised + validation_supervised:
+        user, reply = row["messages"]
+        assert user["role"] == "user" and reply == {
+            "role": "assistant",
+            "content": answer_text(*_pair_of(user["content"])),
+        }
+    assert [_pair_of(r["messages"][0]["content"]) for r in validation_supervised] == split_pairs()[1]
 
 
 def test_write_arithmetic_datasets_keeps_validation_pairs_out_of_training_files(tmp_path: Path) -> None:
