@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from trainer import graders
+from trainer import graders, reward_model
 from trainer.data import PromptItem
 from trainer.models import Precision
 from trainer.rollout import Rollout, generate, left_pad
@@ -31,12 +31,24 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> 
 
 
 def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[PromptItem]) -> Scores:
-    """Grade each (text, item) pair: rewards [N] and each named sub-grader's scores [N]."""
+    """Grade each (text, item) pair: rewards [N] and each named sub-grader's scores [N].
+
+    The grader's reward_model leaves are scored first, each over the whole batch in batched forward passes (the
+    model loaded once per process); the pure graders then combine those scores sample by sample."""
     names = graders.grader_names(grader)
+    rows = [it.item for it in items]
+    by_model: dict[str, Tensor] = {}  # the same reward model, prompt and normalisation are scored once
+    model_scores: dict[str, Tensor] = {}
+    for key, leaf in graders.model_graders(grader):
+        same = leaf.model_dump_json(exclude={"name", "batch_size"})
+        if same not in by_model:
+            by_model[same] = reward_model.score_samples(leaf, texts, rows)
+        model_scores[key] = by_model[same]
     rewards = torch.empty(len(texts), dtype=torch.float32)
     sub = {n: torch.zeros(len(texts), dtype=torch.float32) for n in names}
     for i, (text, item) in enumerate(zip(texts, items, strict=True)):
-        res = graders.grade(grader, output_text=text, item=item.item)
+        scored = {key: float(s[i]) for key, s in model_scores.items()}
+        res = graders.grade(grader, output_text=text, item=item.item, model_scores=scored)
         rewards[i] = res.score
         for n, v in res.sub_scores.items():
             if n in sub:

@@ -6,8 +6,13 @@ and its dataset row (`grade`). Strings may hold templates: `{{sample.output_text
 Strings render verbatim; any other value renders as compact JSON (`3`, `true`, `null`, `{"a": 1}`).
 
 OpenAI's types: `string_check`, `text_similarity` (only `fuzzy_match`), `multi`. Ours: `numeric_match`,
-`regex`, `length_penalty`. Every score is a float. Problems found at grading time (a missing item field, a
-division by zero in a formula) never raise: they are listed in `GradeResult.errors`.
+`regex`, `length_penalty`, and `reward_model` (the score of a reward model trained by a `reward_model` job). Every
+score is a float. Problems found at grading time (a missing item field, a division by zero in a formula) never
+raise: they are listed in `GradeResult.errors`.
+
+A `reward_model` grader needs a model, so this module does not score it: `trainer.evaluate.grade_batch` scores
+every reward-model leaf of a batch in batched forward passes (`trainer.reward_model`) and hands the scores to
+`grade` as `model_scores`; `grade` without them raises `GraderError`.
 """
 
 import ast
@@ -43,6 +48,7 @@ GRADER_TYPES: tuple[str, ...] = (
     "numeric_match",
     "regex",
     "length_penalty",
+    "reward_model",
 )
 
 # Bounds on user input that runs inside the trainer process.
@@ -152,6 +158,7 @@ class _Context:
     output_text: str
     item: Mapping[str, Any]
     errors: list[str]
+    model_scores: Mapping[str, float]
 
 
 def _render(template: str, grader_name: str, ctx: _Context) -> str:
@@ -522,6 +529,42 @@ class LengthPenaltyGrader(_GraderBase):
         return self.penalty_per_char if self.penalty_per_char is not None else 1.0 / self.max_chars
 
 
+class PromptMessage(BaseModel):
+    """One message of a reward_model grader's prompt; its content is a template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Template
+
+
+class RewardModelGrader(_GraderBase):
+    """The scalar score a reward model gives the conversation `prompt` + the sample as the assistant's reply.
+
+    `model`: the output folder of a `reward_model` job (the service rewrites a job id or model name to it);
+    `prompt`: the conversation the sample answers, templates allowed; default: the item's own `messages` (or its
+    `prompt` string as a user turn), i.e. the prompt the policy was given. `normalize`: standardise the score with
+    the mean and standard deviation of the reward model's scores on its own preference data (stored with it).
+    `batch_size`: samples per forward pass.
+    """
+
+    type: Literal["reward_model"]
+    model: str = Field(min_length=1)
+    prompt: list[PromptMessage] | None = Field(default=None, min_length=1)
+    normalize: bool = False
+    batch_size: int = Field(default=32, ge=1, le=4096)
+
+    @field_validator("prompt")
+    @classmethod
+    def _no_sample_in_prompt(cls, value: list[PromptMessage] | None) -> list[PromptMessage] | None:
+        for i, m in enumerate(value or ()):
+            if any(isinstance(p, _Ref) and p.namespace == "sample" for p in _parse_template(m.content)):
+                raise ValueError(
+                    f"prompt[{i}].content: the sample is the reply the model scores, not part of the prompt"
+                )
+        return value
+
+
 class MultiGrader(_GraderBase):
     """`calculate_output` evaluated over the scores of `graders`, each bound to its key.
 
@@ -558,10 +601,23 @@ class MultiGrader(_GraderBase):
 
 
 Grader = Annotated[
-    StringCheckGrader | TextSimilarityGrader | MultiGrader | NumericMatchGrader | RegexGrader | LengthPenaltyGrader,
+    StringCheckGrader
+    | TextSimilarityGrader
+    | MultiGrader
+    | NumericMatchGrader
+    | RegexGrader
+    | LengthPenaltyGrader
+    | RewardModelGrader,
     Field(discriminator="type"),
 ]
-_LeafGrader = StringCheckGrader | TextSimilarityGrader | NumericMatchGrader | RegexGrader | LengthPenaltyGrader
+_LeafGrader = (
+    StringCheckGrader
+    | TextSimilarityGrader
+    | NumericMatchGrader
+    | RegexGrader
+    | LengthPenaltyGrader
+    | RewardModelGrader
+)
 
 MultiGrader.model_rebuild()
 _GRADER_ADAPTER: TypeAdapter[Grader] = TypeAdapter(Grader)
@@ -626,28 +682,37 @@ def _format_error(error: ErrorDetails) -> str:
 # Grading
 
 
-def grade(grader: Grader, *, output_text: str, item: Mapping[str, Any]) -> GradeResult:
+def grade(
+    grader: Grader,
+    *,
+    output_text: str,
+    item: Mapping[str, Any],
+    model_scores: Mapping[str, float] | None = None,
+) -> GradeResult:
     """Score one sample. sub_scores: {grader.name: score} for a single grader; for a multi, {key: score} of
-    each sub-grader, a nested multi adding its own key and its children as `key.child`."""
-    ctx = _Context(output_text=output_text, item=item, errors=[])
+    each sub-grader, a nested multi adding its own key and its children as `key.child`.
+
+    `model_scores`: the scores of the grader's reward_model leaves, keyed as `model_graders` names them (computed
+    in batches by `trainer.evaluate.grade_batch`); a reward_model leaf without one raises `GraderError`."""
+    ctx = _Context(output_text=output_text, item=item, errors=[], model_scores=model_scores or {})
     if isinstance(grader, MultiGrader):
         score, sub_scores = _grade_multi(grader, ctx)
     else:
-        score = _score_leaf(grader, ctx)
+        score = _score_leaf(grader, ctx, grader.name)
         sub_scores = {grader.name: score}
     return GradeResult(score=score, sub_scores=sub_scores, errors=tuple(dict.fromkeys(ctx.errors)))
 
 
-def _grade_multi(grader: MultiGrader, ctx: _Context) -> tuple[float, dict[str, float]]:
+def _grade_multi(grader: MultiGrader, ctx: _Context, prefix: str = "") -> tuple[float, dict[str, float]]:
     sub_scores: dict[str, float] = {}
     values: dict[str, float] = {}
     for key, child in grader.graders.items():
         if isinstance(child, MultiGrader):
-            values[key], nested = _grade_multi(child, ctx)
+            values[key], nested = _grade_multi(child, ctx, f"{prefix}{key}.")
             sub_scores[key] = values[key]
             sub_scores.update({f"{key}.{name}": score for name, score in nested.items()})
         else:
-            values[key] = sub_scores[key] = _score_leaf(child, ctx)
+            values[key] = sub_scores[key] = _score_leaf(child, ctx, prefix + key)
     try:
         score = _evaluate(_compile_formula(grader.calculate_output), values)
     except (ArithmeticError, ValueError) as exc:
@@ -658,7 +723,7 @@ def _grade_multi(grader: MultiGrader, ctx: _Context) -> tuple[float, dict[str, f
     return score, sub_scores
 
 
-def _score_leaf(grader: _LeafGrader, ctx: _Context) -> float:
+def _score_leaf(grader: _LeafGrader, ctx: _Context, path: str) -> float:
     def render(template: str) -> str:
         return _render(template, grader.name, ctx)
 
@@ -692,6 +757,13 @@ def _score_leaf(grader: _LeafGrader, ctx: _Context) -> float:
                 penalty_per_char=grader.effective_penalty_per_char,
                 min_score=grader.min_score,
             )
+        case RewardModelGrader():
+            if path not in ctx.model_scores:
+                raise GraderError(
+                    f"grader {grader.name!r}: reward_model graders run a model over batches of samples; they are "
+                    "scored during training and evaluation, and cannot be run on a single sample here"
+                )
+            return float(ctx.model_scores[path])
         case _:
             assert_never(grader)
 
@@ -706,6 +778,8 @@ def _templates(grader: _LeafGrader) -> tuple[str, ...]:
             return (grader.input, grader.reference)
         case RegexGrader() | LengthPenaltyGrader():
             return (grader.input,)
+        case RewardModelGrader():
+            return tuple(m.content for m in grader.prompt or ())
         case _:
             assert_never(grader)
 
@@ -737,6 +811,39 @@ def check_item(grader: Grader, item: Mapping[str, Any]) -> str | None:
     for name, ref in _item_refs(grader):
         if not _lookup(item, ref.path)[0]:
             return _missing_field_message(name, ref)
+    for _, leaf in model_graders(grader):
+        if leaf.prompt is None and reward_model_prompt(leaf, item) is None:
+            return f"grader {leaf.name!r} takes its prompt from the item's 'messages' or 'prompt', and it has neither"
+    return None
+
+
+def model_graders(grader: Grader) -> list[tuple[str, RewardModelGrader]]:
+    """(key, grader) of every reward_model leaf, keyed as `grade` keys sub_scores (`rm`, `quality.rm`)."""
+    if isinstance(grader, RewardModelGrader):
+        return [(grader.name, grader)]
+    if not isinstance(grader, MultiGrader):
+        return []
+    out: list[tuple[str, RewardModelGrader]] = []
+    for key, child in grader.graders.items():
+        if isinstance(child, RewardModelGrader):
+            out.append((key, child))
+        elif isinstance(child, MultiGrader):
+            out.extend((f"{key}.{path}", leaf) for path, leaf in model_graders(child))
+    return out
+
+
+def reward_model_prompt(grader: RewardModelGrader, item: Mapping[str, Any]) -> list[dict[str, str]] | None:
+    """The conversation a reward_model grader scores the sample as the reply to: its `prompt` rendered against
+    the item, or the item's own `messages` / `prompt`; None when the item has neither."""
+    if grader.prompt is not None:
+        ctx = _Context(output_text="", item=item, errors=[], model_scores={})
+        return [{"role": m.role, "content": _render(m.content, grader.name, ctx)} for m in grader.prompt]
+    messages = item.get("messages")
+    if isinstance(messages, list) and messages and all(isinstance(m, Mapping) for m in messages):
+        return [{"role": str(m.get("role", "user")), "content": str(m.get("content", ""))} for m in messages]
+    prompt = item.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return [{"role": "user", "content": prompt}]
     return None
 
 

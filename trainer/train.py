@@ -49,6 +49,10 @@ def build_trainer(
 ) -> Trainer:
     """The loop for ``spec.method.type``, with its data validated and its model loaded."""
     fmt = spec.method.data_format
+    if spec.method.grader is not None:
+        from trainer.reward_model import check_reward_models
+
+        check_reward_models(spec.method.grader)  # a reward_model grader's folder is checked before weights load
     if fmt == "prompts":
         from trainer.rl import RLTrainer
 

@@ -14,6 +14,7 @@ from trainer.graders import (
     MultiGrader,
     NumericMatchGrader,
     RegexGrader,
+    RewardModelGrader,
     StringCheckGrader,
     TextSimilarityGrader,
     check_item,
@@ -86,6 +87,7 @@ class TestParse:
             "numeric_match": (numeric(), NumericMatchGrader),
             "regex": (regex(), RegexGrader),
             "length_penalty": (length(max_chars=10), LengthPenaltyGrader),
+            "reward_model": ({"type": "reward_model", "name": "rm", "model": "runs/rm"}, RewardModelGrader),
         }
         assert set(examples) == set(GRADER_TYPES)
         for grader_type, (obj, model) in examples.items():
@@ -99,7 +101,7 @@ class TestParse:
     def test_unknown_type_lists_valid_types(self) -> None:
         assert parse_error({"type": "python", "name": "x", "source": "..."}) == (
             "grader.type: unknown grader type 'python'; valid types: "
-            "string_check, text_similarity, multi, numeric_match, regex, length_penalty"
+            "string_check, text_similarity, multi, numeric_match, regex, length_penalty, reward_model"
         )
 
     def test_missing_type_is_named(self) -> None:
