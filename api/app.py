@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors
 from api.errors import envelope
-from api.routes import files, graders, health, jobs, models
+from api.routes import dashboard, files, graders, health, jobs, models
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("proxima.api.access")
@@ -139,6 +139,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for router in (files.router, jobs.router, graders.router, models.router, health.router):
         app.include_router(router)
+    dashboard.install(app)
     app.add_middleware(UploadGuardMiddleware, max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(RequestIdMiddleware)
     app.state.settings = settings
