@@ -1,0 +1,372 @@
+"""The browser dashboard against a real deployment: ``proxima serve`` (API and one worker) on PostgreSQL and Redis,
+real jobs on the tiny random model, driven with Playwright in Debian's headless Chromium.
+
+Screenshots of every page are written to ``$PROXIMA_TEST_ARTIFACTS/dashboard/`` (default
+``test-artifacts/dashboard/``, git-ignored). Chromium comes from the system (``apt-get install -y chromium``; CI's
+``.ci/run`` installs it): without it these tests fail, they do not skip.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
+
+from .dashboard_support import (
+    CHROMIUM,
+    DashboardServer,
+    create_job,
+    hyperparameters,
+    metrics,
+    upload,
+    wait_job,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("PROXIMA_TEST_ARTIFACTS") or REPO / "test-artifacts") / "dashboard"
+SHORT_STEPS = 6
+WAIT_MS = 60_000
+
+
+@dataclass
+class Deployment:
+    server: DashboardServer
+    key_a: str
+    key_b: str
+    api: httpx.Client  # tenant A
+    train_file: Path
+    short: str  # a job that runs to the end
+    long: str  # a job that is still running when the cancel test cancels it
+
+    @property
+    def dashboard(self) -> str:
+        return f"{self.server.base}/dashboard/"
+
+    def wait(
+        self, job_id: str, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = 120.0
+    ) -> dict[str, Any]:
+        return wait_job(self.api, job_id, check, what=what, server=self.server, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    tmp_path_factory: pytest.TempPathFactory, random_model_dir: Path, arithmetic_data: Path
+) -> Iterator[Deployment]:
+    server = DashboardServer(tmp_path_factory.mktemp("dashboard"), model_dir=random_model_dir)
+    try:
+        server.start()
+        key_a, key_b = server.api_key("team-a"), server.api_key("team-b")
+        api = server.client(key_a)
+        train = upload(api, arithmetic_data / "train.jsonl")
+        val = upload(api, arithmetic_data / "validation.jsonl")
+        # One worker runs them in turn: the short job first, then the long one (cancelled by a test).
+        short = create_job(api, training_file=train, validation_file=val, suffix="short", hp=hyperparameters(steps=6))
+        long = create_job(
+            api,
+            training_file=train,
+            validation_file=val,
+            suffix="long",
+            hp=hyperparameters(steps=2000, checkpoint_interval=1000, eval_interval=1000),
+        )
+        yield Deployment(server, key_a, key_b, api, arithmetic_data / "train.jsonl", short["id"], long["id"])
+        api.close()
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: the dashboard tests drive Debian's Chromium. "
+            "Install it with `apt-get install -y chromium` (.ci/run does this on CI machines)."
+        )
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM))
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    """A fresh browser profile at 1280×800; a script error in the page fails the test."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800}, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda err: errors.append(str(err)))
+    yield page
+    context.close()
+    assert not errors, f"script errors in the page: {errors}"
+
+
+def screenshot(page: Page, name: str, *, full_page: bool = True) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=ARTIFACTS / f"{name}.png", full_page=full_page)
+
+
+def sign_in(page: Page, d: Deployment, key: str) -> None:
+    page.goto(d.dashboard)
+    page.get_by_label("API key").fill(key)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("heading", name="Fine-tuning jobs")).to_be_visible()
+
+
+def go(page: Page, d: Deployment, route: str) -> None:
+    page.goto(f"{d.dashboard}#/{route}")
+
+
+def chart(page: Page, chart_id: str) -> Locator:
+    return page.locator(f'figure[data-chart="{chart_id}"]')
+
+
+def count(points: list[dict[str, Any]], name: str) -> int:
+    return sum(name in p["metrics"] for p in points)
+
+
+def test_root_redirects_and_a_wrong_key_is_refused_then_the_jobs_table_lists_the_tenants_jobs(
+    page: Page, deployment: Deployment
+) -> None:
+    d = deployment
+    page.goto(d.server.base + "/")
+    assert page.url == d.dashboard
+    page.get_by_label("API key").fill("sk-prx-not-a-key")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("alert").filter(has_text="This key was refused")).to_be_visible()
+    expect(page.get_by_label("API key")).to_have_attribute("aria-invalid", "true")
+
+    sign_in(page, d, d.key_a)
+    rows = page.locator("table.jobs-table tbody tr")
+    expect(rows).to_have_count(2)
+    for job_id, suffix in ((d.short, "short"), (d.long, "long")):
+        row = page.locator(f'tr[data-job-id="{job_id}"]')
+        expect(row.get_by_role("link", name=job_id)).to_be_visible()
+        expect(row).to_contain_text(suffix)
+        expect(row).to_contain_text("grpo")
+        expect(row).to_contain_text("tiny-random")
+
+    # Filters: the short job succeeds while the long one runs; the table follows without a reload.
+    d.wait(d.short, lambda j: j["status"] == "succeeded", "the short job to succeed")
+    page.get_by_label("Status").select_option("succeeded")
+    expect(rows).to_have_count(1)
+    expect(page.locator(f'tr[data-job-id="{d.short}"]')).to_contain_text(f"{SHORT_STEPS} / {SHORT_STEPS}")
+    expect(page.locator(f'tr[data-job-id="{d.short}"] td[data-label="Reward"]')).to_have_text(re.compile(r"^-?\d"))
+    assert page.url.endswith("#/jobs?status=succeeded")
+    page.get_by_label("Status").select_option("")
+    page.get_by_label("Method").select_option("grpo")
+    expect(rows).to_have_count(2)
+    screenshot(page, "jobs")
+
+
+def test_job_page_charts_have_one_point_per_step_the_metrics_endpoint_returns(
+    page: Page, deployment: Deployment
+) -> None:
+    d = deployment
+    d.wait(d.short, lambda j: j["status"] == "succeeded", "the short job to succeed")
+    points = metrics(d.api, d.short)
+    assert count(points, "reward/mean") == SHORT_STEPS
+
+    sign_in(page, d, d.key_a)
+    go(page, d, f"jobs/{d.short}")
+    expect(page.get_by_role("heading", name=d.short)).to_be_visible()
+    expect(page.locator("#charts")).to_have_attribute("data-steps", str(len(points)))
+    expect(chart(page, "reward")).to_have_attribute("data-points", str(count(points, "reward/mean")))
+    expect(chart(page, "val-reward")).to_have_attribute("data-points", str(count(points, "val/reward/mean")))
+    expect(chart(page, "kl")).to_have_attribute("data-points", str(count(points, "kl/mean")))
+    # One curve per named sub-grader; names outside the preferred set get their own chart.
+    expect(chart(page, "reward-graders")).to_have_attribute("data-series", "reward/exact/mean reward/sim/mean")
+    expect(chart(page, "metric:grad_norm")).to_have_attribute("data-points", str(count(points, "grad_norm")))
+    expect(chart(page, "reward").locator(".chart-legend")).to_contain_text("±")
+    expect(page.locator(".badge-slot")).to_have_text("succeeded")
+    expect(page.locator("ol.events")).to_contain_text("The job has successfully completed")
+    expect(page.locator("pre.spec")).to_contain_text('"calculate_output": "0.7 * sim + 0.3 * exact"')
+    expect(page.get_by_role("button", name="Cancel job")).to_be_disabled()
+    screenshot(page, "job")
+
+    # A narrow screen: one column, nothing wider than the viewport.
+    page.set_viewport_size({"width": 390, "height": 844})
+    expect(chart(page, "reward")).to_be_visible()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    screenshot(page, "job-narrow", full_page=False)
+    go(page, d, "jobs")
+    expect(page.locator(f'tr[data-job-id="{d.short}"]')).to_be_visible()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    screenshot(page, "jobs-narrow", full_page=False)
+
+
+def test_checkpoint_download_button_gives_an_adapter_archive_that_peft_loads(
+    page: Page, deployment: Deployment, random_model_dir: Path, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    d = deployment
+    d.wait(d.short, lambda j: j["status"] == "succeeded", "the short job to succeed")
+    sign_in(page, d, d.key_a)
+    go(page, d, f"jobs/{d.short}")
+    button = page.get_by_role("button", name=f"Download the adapter of step {SHORT_STEPS}")
+    with page.expect_download() as info:
+        button.click()
+    download = info.value
+    assert download.suggested_filename == f"{d.short}-step-{SHORT_STEPS}-adapter.tar.gz"
+    archive = tmp_path / download.suggested_filename
+    download.save_as(archive)
+
+    with tarfile.open(archive, "r:gz") as tar:
+        tar.extractall(tmp_path / "adapter", filter="data")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(random_model_dir), str(tmp_path / "adapter"))
+    assert any("lora_" in name for name, _ in model.named_parameters())
+
+
+def test_rollouts_page_shows_each_sample_with_its_per_grader_rewards_and_advantage(
+    page: Page, deployment: Deployment
+) -> None:
+    d = deployment
+    d.wait(d.short, lambda j: j["status"] == "succeeded", "the short job to succeed")
+    latest = d.api.get(f"/fine_tuning/jobs/{d.short}/rollouts").json()
+    assert latest["step"] == SHORT_STEPS and latest["data"]
+
+    sign_in(page, d, d.key_a)
+    go(page, d, f"jobs/{d.short}/rollouts")
+    table = page.locator("table#rollouts")
+    expect(table.locator("tbody tr")).to_have_count(len(latest["data"]))
+    headers = table.locator("thead th")
+    expect(headers).to_contain_text(["#", "Prompt", "Completion", "Reward", "sim", "exact", "Advantage", "Tokens"])
+    first = latest["data"][0]
+    row = table.locator("tbody tr").first
+    expect(row).to_contain_text(first["prompt"][0]["content"])
+    if first["completion"]:
+        expect(row.locator("td.completion")).to_have_text(first["completion"])
+    expect(page.locator(".stats")).to_contain_text(f"Step {SHORT_STEPS}")
+    screenshot(page, "rollouts")
+
+    page.get_by_role("button", name="Previous step").click()
+    expect(page.locator(".stats")).to_contain_text(f"Step {SHORT_STEPS - 1}")
+    assert page.url.endswith(f"rollouts?step={SHORT_STEPS - 1}")
+    expect(page.get_by_label("follow latest")).not_to_be_checked()
+
+
+def test_compare_overlays_one_metric_of_several_jobs(page: Page, deployment: Deployment) -> None:
+    d = deployment
+    d.wait(d.short, lambda j: j["status"] == "succeeded", "the short job to succeed")
+    d.wait(d.long, lambda j: j["current_step"] >= 1, "the long job's first step")
+    sign_in(page, d, d.key_a)
+    page.locator(f'tr[data-job-id="{d.short}"]').get_by_role("checkbox").check()
+    page.locator(f'tr[data-job-id="{d.long}"]').get_by_role("checkbox").check()
+    page.get_by_role("button", name="Compare selected (2)").click()
+
+    overlay = chart(page, "compare")
+    expect(overlay).to_have_attribute("data-series", f"{d.short} {d.long}")
+    expect(overlay).to_have_attribute("data-points", str(SHORT_STEPS))  # the first series: the short job's steps
+    expect(overlay.locator(".chart-legend li")).to_have_count(2)
+    expect(page.get_by_label("Metric")).to_have_value("reward/mean")
+    page.get_by_label("Metric").select_option("kl/mean")
+    expect(overlay.locator(".chart-title")).to_have_text("kl/mean")
+    assert "metric=kl%2Fmean" in page.url or "metric=kl/mean" in page.url
+    expect(page.locator("table.compare-table tbody tr")).to_have_count(2)
+    screenshot(page, "compare")
+
+
+def test_a_running_jobs_chart_grows_and_cancel_on_the_page_cancels_the_job(page: Page, deployment: Deployment) -> None:
+    d = deployment
+    d.wait(d.long, lambda j: j["status"] == "running" and j["current_step"] >= 1, "the long job to run")
+    sign_in(page, d, d.key_a)
+    go(page, d, f"jobs/{d.long}")
+    reward = chart(page, "reward")
+    expect(reward).not_to_have_attribute("data-points", "0")
+    before = int(reward.get_attribute("data-points") or 0)
+    expect(reward).not_to_have_attribute("data-points", str(before), timeout=WAIT_MS)  # polled, no reload
+    after = int(reward.get_attribute("data-points") or 0)
+    assert after > before
+    expect(page.locator(".badge-slot")).to_have_text("running")
+    screenshot(page, "job-running")
+
+    # Pause asks the running job to pause at its next checkpoint (far away here); the request shows in the log.
+    page.get_by_role("button", name="Pause").click()
+    expect(page.locator("ol.events")).to_contain_text("Pause requested", timeout=WAIT_MS)
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Cancel job").click()
+    job = d.wait(d.long, lambda j: j["status"] == "cancelled", "the long job to be cancelled", timeout=60)
+    assert job["finished_at"] is not None
+    expect(page.locator(".badge-slot")).to_have_text("cancelled", timeout=WAIT_MS)
+    expect(page.get_by_role("button", name="Cancel job")).to_be_disabled()
+    expect(page.locator("ol.events")).to_contain_text("Cancellation requested")
+
+
+def test_create_form_shows_the_api_error_next_to_its_field_then_creates_the_job(
+    page: Page, deployment: Deployment
+) -> None:
+    d = deployment
+    sign_in(page, d, d.key_a)
+    page.get_by_role("link", name="New job").first.click()
+    expect(page.get_by_role("heading", name="New fine-tuning job")).to_be_visible()
+    expect(page.get_by_label("Base model")).to_have_value("tiny-random")
+
+    page.get_by_label("Upload a training file").set_input_files(d.train_file)
+    expect(page.locator(".upload-status").first).to_contain_text("Uploaded train.jsonl as file-")
+    file_id = page.get_by_label("Training file", exact=True).input_value()
+    assert file_id.startswith("file-")
+    uploaded = d.api.get(f"/files/{file_id}").json()
+    assert uploaded["filename"] == "train.jsonl" and uploaded["purpose"] == "fine-tune"
+
+    page.get_by_label("Suffix").fill("from-form")
+    page.get_by_label("Max steps").fill("2")
+    page.get_by_label("Group size").fill("2")
+    page.get_by_label("Learning rate").fill("5")  # over the schema's limit of 1
+    page.get_by_role("button", name="Create job").click()
+
+    lr = page.get_by_label("Learning rate")
+    expect(lr).to_have_attribute("aria-invalid", "true")
+    error = page.locator("#f-learning_rate-error")
+    expect(error).to_contain_text("less than or equal to 1")
+    # next to its field: in the same field block, and named by the input's aria-describedby
+    assert page.locator('.field[data-param="method.{m}.hyperparameters.learning_rate"] #f-learning_rate-error').count()
+    assert "f-learning_rate-error" in (lr.get_attribute("aria-describedby") or "")
+    expect(lr).to_be_focused()
+    expect(page.locator(".create-form > .error-box")).to_contain_text("The job was not created")
+    screenshot(page, "create-error")
+
+    lr.fill("0.01")
+    page.get_by_role("button", name="Create job").click()
+    expect(page).to_have_url(re.compile(r"#/jobs/ftjob-\w+$"))
+    job_id = page.url.rsplit("/", 1)[1]
+    expect(page.get_by_role("heading", name=job_id)).to_be_visible()
+    job = d.api.get(f"/fine_tuning/jobs/{job_id}").json()
+    hp = job["method"]["grpo"]["hyperparameters"]
+    assert (job["suffix"], job["training_file"], hp["learning_rate"], hp["max_steps"]) == (
+        "from-form",
+        file_id,
+        0.01,
+        2,
+    )
+    screenshot(page, "create-done")
+    d.api.post(f"/fine_tuning/jobs/{job_id}/cancel")  # keep the worker free for the other tests
+
+
+def test_tenant_b_sees_none_of_tenant_a_jobs(page: Page, deployment: Deployment) -> None:
+    d = deployment
+    sign_in(page, d, d.key_a)
+    expect(page.locator(f'tr[data-job-id="{d.short}"]')).to_be_visible()
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_label("API key")).to_be_visible()
+
+    sign_in(page, d, d.key_b)
+    expect(page.get_by_text("No jobs yet.")).to_be_visible()
+    expect(page.locator("table.jobs-table tbody tr")).to_have_count(0)
+    go(page, d, f"jobs/{d.short}")
+    expect(page.get_by_role("heading", name="Job not found")).to_be_visible()
+    expect(page.get_by_role("alert")).to_contain_text(f"No such fine-tuning job: '{d.short}'")
+    go(page, d, f"compare?jobs={d.short},{d.long}")
+    expect(page.locator(".error-box")).to_contain_text(f"No such fine-tuning job: '{d.long}'")
+    expect(page.locator('figure[data-chart="compare"]')).to_have_count(0)
+    expect(page.locator(".picker-list input")).to_have_count(0)
+    assert "short" not in page.locator("main").inner_text()
