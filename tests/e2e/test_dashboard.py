@@ -370,3 +370,53 @@ def test_tenant_b_sees_none_of_tenant_a_jobs(page: Page, deployment: Deployment)
     expect(page.locator('figure[data-chart="compare"]')).to_have_count(0)
     expect(page.locator(".picker-list input")).to_have_count(0)
     assert "short" not in page.locator("main").inner_text()
+
+
+def test_chart_plan_draws_known_series_in_their_charts_and_any_other_numeric_series_under_other_metrics(
+    page: Page, deployment: Deployment
+) -> None:
+    """The plan is generic: PPO's and the preference methods' names find their charts, unknown names get their own."""
+    page.goto(deployment.dashboard)
+    plan = page.evaluate(
+        """async (names) => {
+            const { planCharts } = await import("./js/metrics.js");
+            const { preferred, other } = planCharts(names);
+            return {
+                preferred: preferred.map((c) => [c.id, c.series.map((s) => s.key)]),
+                other: other.map((c) => c.id),
+            };
+        }""",
+        [
+            "reward/mean",
+            "reward/std",
+            "reward/acc/mean",
+            "val/reward/mean",
+            "val/reward/acc/mean",
+            "reward/non_score",
+            "kl/mean",
+            "loss/policy",
+            "loss/value",
+            "value/mean",
+            "returns/mean",
+            "value/explained_variance",
+            "value/clip_frac",
+            "loss/train",
+            "loss/val",
+            "rewards/margin",
+            "grad_norm",
+        ],
+    )
+    assert plan["preferred"] == [
+        ["reward", ["reward/mean"]],  # reward/std is its band
+        ["reward-graders", ["reward/acc/mean"]],
+        ["val-reward", ["val/reward/mean", "val/reward/acc/mean"]],
+        ["non-score-reward", ["reward/non_score"]],
+        ["kl", ["kl/mean"]],
+        ["loss-policy", ["loss/policy"]],
+        ["loss-value", ["loss/value"]],
+        ["loss-train", ["loss/train", "loss/val"]],
+        ["value", ["value/mean", "returns/mean"]],
+        ["value-explained-variance", ["value/explained_variance"]],
+        ["value-clip-frac", ["value/clip_frac"]],
+    ]
+    assert plan["other"] == ["metric:grad_norm", "metric:rewards/margin"]

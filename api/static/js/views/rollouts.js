@@ -96,13 +96,18 @@ export function mountRollouts(main, { jobId, step }) {
         h(
           "tr",
           {},
-          h("td", { class: "num muted", text: String(r.n) }),
+          // data-label: the column's name, shown in front of the value where the table is laid out as cards.
+          h("td", { class: "num muted", "data-label": "#", text: String(r.n) }),
           h("td", { class: "prompt" }, promptText(r.prompt)),
           h("td", { class: "completion" }, r.completion === "" ? h("span", { class: "muted", text: "(empty)" }) : h("pre", { text: r.completion })),
-          h("td", { class: "num", text: fmtNum(r.reward) }),
-          graders.map((g) => h("td", { class: "num", text: fmtNum(r.rewards?.[g]) })),
-          h("td", { class: `num ${r.advantage > 0 ? "pos" : r.advantage < 0 ? "neg" : ""}`, text: `${r.advantage > 0 ? "+" : ""}${fmtNum(r.advantage)}` }),
-          h("td", { class: "num", text: String(r.length ?? "–") }),
+          h("td", { class: "num", "data-label": "Reward", text: fmtNum(r.reward) }),
+          graders.map((g) => h("td", { class: "num", "data-label": g, text: fmtNum(r.rewards?.[g]) })),
+          h("td", {
+            class: `num ${r.advantage > 0 ? "pos" : r.advantage < 0 ? "neg" : ""}`,
+            "data-label": "Advantage",
+            text: `${r.advantage > 0 ? "+" : ""}${fmtNum(r.advantage)}`,
+          }),
+          h("td", { class: "num", "data-label": "Tokens", text: String(r.length ?? "–") }),
         ),
       ),
     );
