@@ -54,7 +54,7 @@ export async function api(path, { method = "GET", json, form, signal, raw = fals
     response = await fetch(BASE + path, { method, headers, body, signal, cache: "no-store" });
   } catch (err) {
     if (err.name === "AbortError") throw err;
-    throw new ApiError(0, { message: "The server cannot be reached; retrying.", code: "network_error" });
+    throw new ApiError(0, { message: "The server cannot be reached.", code: "network_error" });
   }
   if (!response.ok) {
     const error = await errorOf(response);

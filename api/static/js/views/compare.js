@@ -11,7 +11,7 @@ const MAX_JOBS_LISTED = 200;
 
 export function mountCompare(main, params) {
   document.title = "Compare · Proxima";
-  const selected = (params.jobs ?? "").split(",").filter(Boolean);
+  const selected = [...new Set((params.jobs ?? "").split(","))].filter((id) => /^[\w-]+$/.test(id));
   let metric = params.metric || null;
   let jobs = []; // the tenant's recent jobs
   const series = new Map(); // job id → Series

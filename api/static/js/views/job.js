@@ -120,8 +120,13 @@ export function mountJob(main, { jobId }) {
   focusHeading(main);
 
   // -- rendering -------------------------------------------------------------------------------------------------
-  function item(label, value, cls) {
-    return h("div", { class: "summary-item" }, h("dt", { text: label }), h("dd", { class: cls, title: typeof value === "string" ? value : null }, value));
+  function item(label, value, cls, wide = false) {
+    return h(
+      "div",
+      { class: wide ? "summary-item wide" : "summary-item" },
+      h("dt", { text: label }),
+      h("dd", { class: cls, title: typeof value === "string" ? value : null }, value),
+    );
   }
 
   function renderSummary() {
@@ -140,7 +145,7 @@ export function mountJob(main, { jobId }) {
       item("Estimated finish", eta),
       item("Trained tokens", fmtCount(job.trained_tokens)),
       item("Suffix", job.suffix ?? "–"),
-      item("Fine-tuned model", job.fine_tuned_model ?? "–", "mono truncate"),
+      item("Fine-tuned model", job.fine_tuned_model ?? "–", "mono", true),
     );
     if (job.error) {
       jobError.replaceChildren(h("strong", { text: `Failed (${job.error.code}): ` }), job.error.message);

@@ -23,7 +23,7 @@ function promptText(prompt) {
 export function mountRollouts(main, { jobId, step }) {
   document.title = `Rollouts · ${jobId} · Proxima`;
   const base = `/fine_tuning/jobs/${jobId}`;
-  let follow = step === null || step === undefined || step === "";
+  let follow = !/^\d+$/.test(step ?? "");
   let shownStep = follow ? null : Number(step);
   let steps = [];
   let rows = [];
