@@ -51,7 +51,7 @@ class Deployment:
         return f"{self.server.base}/dashboard/"
 
     def wait(
-        self, job_id: str, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = 120.0
+        self, job_id: str, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = 180.0
     ) -> dict[str, Any]:
         return wait_job(self.api, job_id, check, what=what, server=self.server, timeout=timeout)
 
