@@ -246,6 +246,9 @@ class _Runner:
         else:
             spec.pop("validation_file", None)
         spec["model"] = resolve_model(str(spec.get("model") or a.model), self.settings.model_store)
+        hp = spec["method"][spec["method"]["type"]].get("hyperparameters", {})
+        if hp.get("value_model"):  # PPO's critic on a separate base model
+            hp["value_model"] = resolve_model(str(hp["value_model"]), self.settings.model_store)
         (self.run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
         a.resume_step = self._restore_checkpoint()
         with session_scope(self.url) as s:

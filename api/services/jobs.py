@@ -151,6 +151,13 @@ def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant
             param="model",
             code="model_not_available",
         )
+    value_model = getattr(spec.method.hyperparameters, "value_model", None)
+    if value_model is not None and value_model not in settings.base_models:
+        raise InvalidRequest(
+            f"value model {value_model!r} is not available; offered: {', '.join(settings.base_models)}",
+            param=f"method.{spec.method.type}.hyperparameters.value_model",
+            code="model_not_available",
+        )
     datasets = [
         ("training_file", _dataset_file(session, tenant=tenant, file_id=spec.training_file, param="training_file"))
     ]

@@ -155,3 +155,35 @@ def test_ppo_refuses_a_value_model_with_another_vocabulary(
     with pytest.raises(SpecError) as err:
         RLTrainer(spec, output_dir=tmp_path / "run2", callback=BaseCallback())
     assert err.value.param == "method.ppo.hyperparameters.value_model"
+
+
+def test_critic_fits_per_token_targets_through_its_adapter_and_head(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """Gradient flows through the critic's LoRA and head: on a fixed rollout the value loss against fixed per-token
+    targets falls by over 90% in 60 Adam steps, while the policy's adapter stays untouched."""
+    from trainer.core_algos import masked_mean
+
+    spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1))
+    t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
+    assert t.critic is not None
+    batch = t._collect()
+    ro = batch.rollout
+    mask = ro.completion_mask.float()
+    # A target V_t can be read from what position t sees: the parity of the previous completion token (0.5 first)
+    prev = torch.nn.functional.pad(ro.completion_ids[:, :-1], (1, 0), value=-1)
+    targets = torch.where(prev < 0, torch.full_like(mask, 0.5), (prev % 2).float() * 2 - 1) * mask
+    policy = [p.detach().clone() for p in t.params]
+    opt = torch.optim.Adam(t.critic_params, lr=1e-2)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = masked_mean((t.critic.values(ro, precision="fp32") - targets) ** 2, mask)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+    assert all(p.grad is None or not p.grad.any() for p in t.params)
+    assert all(torch.equal(a, b) for a, b in zip(policy, t.params, strict=True))
+    lora_grads = [p.grad for p in t.critic_params[:-2]]
+    assert any(g is not None and g.abs().sum() > 0 for g in lora_grads)  # not the head alone

@@ -170,6 +170,20 @@ class TestCreate:
                 {"type": "grpo", "grpo": {"grader": GRADER, "hyperparameters": {"learning_rate": -1}}},
                 "method.grpo.hyperparameters.learning_rate",
             ),
+            ({"type": "dpo", "dpo": {"grader": GRADER}}, "method.dpo.grader"),  # preference methods have no grader
+            ({"type": "ppo", "ppo": {"hyperparameters": {}}}, "method.ppo.grader"),
+            (
+                {"type": "ppo", "ppo": {"grader": GRADER, "hyperparameters": {"lam": 1.5}}},
+                "method.ppo.hyperparameters.lam",
+            ),
+            (
+                {"type": "ppo", "ppo": {"grader": GRADER, "hyperparameters": {"value_model": "gpt-17"}}},
+                "method.ppo.hyperparameters.value_model",
+            ),
+            (
+                {"type": "dpo", "dpo": {"hyperparameters": {"label_smoothing": 0.5}}},
+                "method.dpo.hyperparameters.label_smoothing",
+            ),
         ],
     )
     def test_bad_method_is_a_400_naming_the_field(
