@@ -26,6 +26,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -39,6 +40,7 @@ from typing import IO, Any
 from api import ids
 from api.db import session_scope
 from api.repositories import runs
+from api.services.jobs import reward_model_refs
 from api.settings import Settings
 from api.storage import ArtifactStore, NotFound, store_from_url
 from trainer import metrics as M
@@ -217,6 +219,43 @@ class _Runner:
             raise JobError("invalid_file", f"file {file_id}'s contents are missing from the artifact store") from None
         return str(dest)
 
+    def _fetch_reward_model(self, job_id: str) -> Path:
+        """A reward_model grader's job id (the API checked it) → the reward model's folder in the run folder: its
+        final adapter archive, with the base model it names resolved on this worker."""
+        dest = self.run_dir / "reward_models" / job_id
+        if (dest / "adapter_config.json").is_file():
+            return dest
+        with session_scope(self.url) as s:
+            job = runs.get_job(s, job_id=job_id)
+            found = None
+            if job is not None and job.status == "succeeded":
+                for file_id in job.result_files or []:
+                    f = runs.get_file(s, file_id=file_id)
+                    if f is not None and not f.deleted and f.filename.endswith("-adapter.tar.gz"):
+                        found = (f.storage_key, job.model)
+        if found is None:
+            raise JobError(
+                "invalid_reward_model", f"reward model job {job_id} no longer has a stored adapter to grade with"
+            )
+        key, base = found
+        archive = dest.with_suffix(".tar.gz")
+        dest.mkdir(parents=True)
+        try:
+            self.store.get_to_path(key, archive)
+        except NotFound:
+            raise JobError(
+                "invalid_reward_model", f"reward model {job_id}'s adapter is missing from the store"
+            ) from None
+        with tarfile.open(archive) as tar:
+            tar.extractall(dest, filter="data")
+        archive.unlink()
+        info_path = dest / "reward_model.json"
+        if info_path.is_file():  # the base model as this worker finds it, not as the training worker did
+            info = json.loads(info_path.read_text())
+            info["base_model"] = resolve_model(base, self.settings.model_store)
+            info_path.write_text(json.dumps(info, indent=2))
+        return dest
+
     def _restore_checkpoint(self) -> int:
         """Copy the latest stored checkpoint into the run folder; its step (0 when there is none)."""
         with session_scope(self.url) as s:
@@ -246,9 +285,13 @@ class _Runner:
         else:
             spec.pop("validation_file", None)
         spec["model"] = resolve_model(str(spec.get("model") or a.model), self.settings.model_store)
-        hp = spec["method"][spec["method"]["type"]].get("hyperparameters", {})
+        block = spec["method"][spec["method"]["type"]]
+        hp = block.get("hyperparameters", {})
         if hp.get("value_model"):  # PPO's critic on a separate base model
             hp["value_model"] = resolve_model(str(hp["value_model"]), self.settings.model_store)
+        if isinstance(block.get("grader"), dict):
+            for _, leaf in reward_model_refs(block["grader"], "grader"):
+                leaf["model"] = str(self._fetch_reward_model(str(leaf["model"])))
         (self.run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
         a.resume_step = self._restore_checkpoint()
         with session_scope(self.url) as s:

@@ -63,6 +63,13 @@ def transition(session: Session, *, job: Job, from_statuses: Iterable[str], **va
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
+def get_by_model(session: Session, *, tenant_id: str, fine_tuned_model: str) -> Job | None:
+    """The tenant's job that produced ``fine_tuned_model``."""
+    return session.scalars(
+        select(Job).where(Job.tenant_id == tenant_id, Job.fine_tuned_model == fine_tuned_model).limit(1)
+    ).first()
+
+
 def succeeded_models(session: Session, *, tenant_id: str) -> list[tuple[str, int]]:
     """(fine_tuned_model, finished_at) of the tenant's succeeded jobs, newest first."""
     rows = session.execute(

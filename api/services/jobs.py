@@ -31,7 +31,7 @@ from api.settings import Settings
 from api.storage import ArtifactStore
 from api.storage import NotFound as ArtifactNotFound
 from trainer.config import JobSpec, SpecError, parse_spec
-from trainer.data import DatasetError, load_prompts
+from trainer.data import DatasetError, load_preferences, load_prompts, load_supervised
 
 log = logging.getLogger("proxima.api.jobs")
 
@@ -121,17 +121,69 @@ def _dataset_file(session: Session, *, tenant: Tenant, file_id: str, param: str)
 
 
 def _check_dataset(store: ArtifactStore, row: File, spec: JobSpec) -> None:
-    """Validate every line against the method's format (design §4); raises DatasetError naming the line.
-
-    Every method this deployment offers is online RL, whose data are prompts whose fields feed the grader's
-    templates; preference and supervised formats join here with their methods."""
+    """Validate every line against the method's format (design §4); raises DatasetError naming the line: prompts
+    whose fields feed the grader's templates (RL), preference pairs (reward_model, dpo) or conversations ending with
+    an assistant turn (supervised)."""
     with tempfile.TemporaryDirectory(prefix="proxima-validate-") as tmp:
         path = Path(tmp) / "data.jsonl"
         try:
             store.get_to_path(row.storage_key, path)
         except ArtifactNotFound:
             raise DatasetError("the file's contents are missing from the artifact store") from None
-        load_prompts(path, grader=spec.method.grader)
+        fmt = spec.method.data_format
+        if fmt == "prompts":
+            load_prompts(path, grader=spec.method.grader)
+        elif fmt == "preferences":
+            load_preferences(path)
+        else:
+            load_supervised(path)
+
+
+def reward_model_refs(grader: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(param path, grader object) of every reward_model leaf of a grader in its JSON form."""
+    if grader.get("type") == "reward_model":
+        return [(path, grader)]
+    if grader.get("type") != "multi":
+        return []
+    out: list[tuple[str, dict[str, Any]]] = []
+    for name, child in (grader.get("graders") or {}).items():
+        out.extend(reward_model_refs(child, f"{path}.graders.{name}"))
+    return out
+
+
+def _resolve_reward_models(session: Session, *, tenant: Tenant, spec_json: dict[str, Any]) -> None:
+    """A reward_model grader names a succeeded ``reward_model`` job of the same tenant, by its id or its
+    fine-tuned model name; the stored spec names it by job id, which the worker turns into a local folder."""
+    mtype = spec_json["method"]["type"]
+    grader = spec_json["method"][mtype].get("grader")
+    if not isinstance(grader, dict):
+        return
+    for path, leaf in reward_model_refs(grader, f"method.{mtype}.grader"):
+        ref = str(leaf.get("model", ""))
+        param = f"{path}.model"
+        job = (
+            jobs_repo.get(session, tenant_id=tenant.id, job_id=ref)
+            if ref.startswith("ftjob-")
+            else jobs_repo.get_by_model(session, tenant_id=tenant.id, fine_tuned_model=ref)
+        )
+        if job is None:
+            raise InvalidRequest(
+                f"no reward model {ref!r}: give the id or the fine-tuned model name of a reward_model job",
+                param=param,
+                code="invalid_reward_model",
+            )
+        method = (job.spec or {}).get("method", {}).get("type")
+        if method != "reward_model":
+            raise InvalidRequest(
+                f"job {job.id} is a {method} job, not a reward_model job", param=param, code="invalid_reward_model"
+            )
+        if job.status != "succeeded":
+            raise InvalidRequest(
+                f"reward model job {job.id} is {job.status}: it can grade once it has succeeded",
+                param=param,
+                code="invalid_reward_model",
+            )
+        leaf["model"] = job.id
 
 
 def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant: Tenant, body: JobCreate) -> Job:
@@ -151,6 +203,8 @@ def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant
             param="model",
             code="model_not_available",
         )
+    spec_json = spec.to_json()
+    _resolve_reward_models(session, tenant=tenant, spec_json=spec_json)
     value_model = getattr(spec.method.hyperparameters, "value_model", None)
     if value_model is not None and value_model not in settings.base_models:
         raise InvalidRequest(
@@ -178,7 +232,7 @@ def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant
             training_file=spec.training_file,
             validation_file=spec.validation_file,
             status="validating_files",
-            spec=spec.to_json(),
+            spec=spec_json,
             seed=spec.seed,
             suffix=spec.suffix,
             metadata_=spec.metadata,
