@@ -109,8 +109,10 @@ def sequence_scores(model: torch.nn.Module, batch: Rollout, *, precision: Precis
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     with autocast(precision, ids.device):
         hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)[0]
-        last = hidden[torch.arange(ids.shape[0], device=ids.device), last_token_index(mask)]  # [B, H]
-        return head(last).squeeze(-1).float()
+    last = hidden[torch.arange(ids.shape[0], device=ids.device), last_token_index(mask)]  # [B, H]
+    # The head runs in fp32 outside autocast: one small matmul, and the reward keeps fp32 resolution.
+    weight = next(head.parameters())
+    return head(last.to(weight.dtype)).squeeze(-1).float()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -214,10 +216,10 @@ def check_reward_models(grader: graders.Grader) -> None:
 class RewardModel:
     """A trained reward model loaded for scoring: (prompt messages, reply) pairs → scores."""
 
-    def __init__(self, path: Path, device: torch.device) -> None:
+    def __init__(self, path: Path, device: torch.device, precision: Precision | None = None) -> None:
         self.adapter_dir, self.info = read_info(path)
         self.device = device
-        self.precision: Precision = resolve_precision("auto", device)
+        self.precision: Precision = precision or resolve_precision("auto", device)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.info.base_model)
         try:
             with _quiet_transformers():
@@ -258,22 +260,26 @@ class RewardModel:
 
 
 @functools.lru_cache(maxsize=4)
-def _cached(path: str, device: str, stamp: float) -> RewardModel:
-    return RewardModel(Path(path), torch.device(device))
+def _cached(path: str, device: str, precision: Precision | None, stamp: float) -> RewardModel:
+    return RewardModel(Path(path), torch.device(device), precision)
 
 
-def load_reward_model(path: Path, device: torch.device | None = None) -> RewardModel:
-    """The reward model in ``path``, loaded once per process and device (a rewritten folder is loaded again)."""
+def load_reward_model(
+    path: Path, device: torch.device | None = None, precision: Precision | None = None
+) -> RewardModel:
+    """The reward model in ``path``, loaded once per process, device and precision (default: bf16 where it is
+    fast, as the policy); a folder rewritten since is loaded again."""
     adapter, _ = read_info(path)
     weights = adapter / "adapter_model.safetensors"
     stamp = weights.stat().st_mtime if weights.exists() else 0.0
-    return _cached(str(adapter.resolve()), str(device or default_device()), stamp)
+    return _cached(str(adapter.resolve()), str(device or default_device()), precision, stamp)
 
 
 def score_samples(
     grader: graders.RewardModelGrader, texts: Sequence[str], items: Sequence[Mapping[str, Any]]
 ) -> Tensor:
     """The grader's reward for each (completion text, dataset row): [N] fp32, normalised when it asks."""
+    read_info(Path(grader.model), grader=grader.name)  # errors name the grader
     rm = load_reward_model(Path(grader.model))
     prompts = []
     for item in items:

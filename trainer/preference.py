@@ -1,0 +1,346 @@
+"""The pairwise loop: Bradley–Terry reward models and DPO, readable top to bottom.
+
+One training step: ``batch_size`` preference pairs → for each micro-batch of pairs, the chosen and rejected replies in
+one forward pass → the pairwise loss (``core_algos.PAIRWISE_LOSSES``) → one optimiser step on the mean over the
+step's pairs (the micro-batch losses are normalised by the step's pair count, so accumulation gives exactly the
+full-batch gradient).
+
+- ``reward_model``: r = a score head on the base's backbone at the last token (``trainer.reward_model``); the
+  inputs of ``bradley_terry`` are r_c, r_r. The finished adapter carries ``reward_model.json`` with the score
+  statistics a ``reward_model`` grader's ``normalize`` uses.
+- ``dpo``: the inputs are the log-ratios Δ = log π(y|x) − log π_ref(y|x), each a sum over the reply's tokens, the
+  reference being the same base with the adapter disabled, under no_grad and in eval mode (rl-algorithms §2.8);
+  the reported rewards are the implicit rewards β·Δ.
+
+``micro_batch_size`` counts pairs (two sequences each) per forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig
+
+from trainer import checkpoint as ckpt
+from trainer import metrics as M
+from trainer.callbacks import Callback
+from trainer.config import DPOHyperparameters, JobSpec, RewardModelHyperparameters, SpecError
+from trainer.core_algos import PAIRWISE_LOSSES, PairwiseOptions, cosine_or_constant_lr, masked_sum
+from trainer.data import EncodedPair, PromptSampler, completion_batch, encode_preferences, load_preferences
+from trainer.models import (
+    ModelError,
+    Precision,
+    add_lora,
+    default_device,
+    load_base_model,
+    load_tokenizer,
+    reference_policy,
+    resolve_precision,
+    store_frozen_linears_in,
+    trainable_parameters,
+)
+from trainer.reward_model import RewardModelInfo, build_reward_model, score_statistics, sequence_scores
+from trainer.rollout import Rollout, completion_logprobs, micro_slices
+from trainer.train import RunResult, seed_everything
+
+STATS_PAIRS = 2048  # pairs scored at the end for a reward model's score statistics
+
+
+class PreferenceTrainer:
+    """Holds what the loop needs; :meth:`run` is the loop."""
+
+    def __init__(self, spec: JobSpec, *, output_dir: Path, callback: Callback, device: torch.device | None = None):
+        self.spec, self.out, self.cb = spec, output_dir, callback
+        hp = spec.method.hyperparameters
+        assert isinstance(hp, RewardModelHyperparameters | DPOHyperparameters)
+        self.hp = hp
+        self.reward_model = isinstance(hp, RewardModelHyperparameters)
+
+        # Everything that can be wrong with the input is checked before the model's weights are loaded.
+        train_items = load_preferences(Path(spec.training_file))
+        val_items = load_preferences(Path(spec.validation_file)) if spec.validation_file else []
+        self.tokenizer = load_tokenizer(spec.model)
+        self.train_pairs = encode_preferences(
+            self.tokenizer, train_items, max_length=hp.max_length, path=spec.training_file
+        )
+        self.val_pairs = encode_preferences(
+            self.tokenizer, val_items, max_length=hp.max_length, path=spec.validation_file or ""
+        )
+        try:
+            model_cfg = AutoConfig.from_pretrained(spec.model)
+        except (OSError, ValueError) as err:
+            raise ModelError(f"cannot load model {spec.model!r}: {err}") from None
+        max_pos = getattr(model_cfg, "max_position_embeddings", None)
+        longest = max(
+            len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in self.train_pairs + self.val_pairs
+        )
+        if max_pos is not None and longest > max_pos:
+            raise SpecError(
+                f"the longest pair ({longest} tokens) exceeds the model's context of {max_pos} tokens",
+                param=f"method.{spec.method.type}.hyperparameters.max_length",
+            )
+        if hp.eval_samples:
+            self.val_pairs = self.val_pairs[: hp.eval_samples]
+        self.total_steps = hp.max_steps or hp.n_epochs * math.ceil(len(self.train_pairs) / hp.batch_size)
+
+        self.device = device or default_device()
+        self.precision: Precision = resolve_precision(hp.precision, self.device)
+        seed_everything(spec.seed)
+        frozen_dtype = torch.bfloat16 if self.precision == "bf16" else None
+        if self.reward_model:
+            self.model = build_reward_model(
+                spec.model,
+                spec.method.lora,
+                pad_token_id=self.tokenizer.pad_token_id,
+                seed=spec.seed,
+                device=self.device,
+                frozen_dtype=frozen_dtype,
+            )
+        else:
+            base = load_base_model(spec.model, self.device)
+            if frozen_dtype is not None:
+                store_frozen_linears_in(base, frozen_dtype)
+            self.model = add_lora(base, spec.method.lora, seed=spec.seed)
+        if self.precision == "bf16" and self.device.type == "cpu":
+            # The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md).
+            self.model.get_base_model().set_attn_implementation("eager")
+        self.params = trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=hp.effective_learning_rate,
+            betas=(hp.adam_beta1, hp.adam_beta2),
+            weight_decay=hp.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: cosine_or_constant_lr(
+                s, warmup=hp.warmup_steps, total=self.total_steps, schedule=hp.lr_scheduler
+            ),
+        )
+        self.sampler = PromptSampler(len(self.train_pairs), seed=spec.seed)
+        # Nothing here samples; the generator only makes a checkpoint restore every RNG, as the RL loop's does.
+        self.generator = torch.Generator(self.device).manual_seed(spec.seed)
+        if isinstance(hp, DPOHyperparameters):
+            self.loss = PAIRWISE_LOSSES.get(f"dpo_{hp.loss_type}")
+        else:
+            self.loss = PAIRWISE_LOSSES.get("bradley_terry")
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def _state(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": ckpt.rng_state(self.generator),
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> int:
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, t in state["trainable"].items():
+                named[n].copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.set_rng_state(state["rng"], self.generator)
+        return int(state["step"])
+
+    def _save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
+        c = ckpt.save_checkpoint(
+            self.out,
+            step=step,
+            model=self.model,
+            state=self._state(step),
+            spec=self.spec.to_json(),
+            metrics=metrics,
+        )
+        if self.reward_model:
+            # Every checkpoint is a usable reward model; the last one also carries its score statistics.
+            self._reward_model_info(final=step == self.total_steps).write(c.adapter_dir)
+        self.cb.on_checkpoint(step, c.path, metrics)
+        return c
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def run(self, *, resume: bool = False) -> RunResult:
+        hp, cb = self.hp, self.cb
+        start = 0
+        latest = ckpt.latest_checkpoint(self.out) if resume else None
+        if latest is not None:
+            start = self._load_state(ckpt.load_state(latest))
+            cb.on_event("info", f"resumed from checkpoint at step {start}", {"step": start})
+        else:
+            cb.on_event(
+                "info",
+                f"training {self.spec.method.type} on {self.spec.model} for {self.total_steps} steps",
+                {"total_steps": self.total_steps, "precision": self.precision},
+            )
+        last_metrics: dict[str, float] = {}
+        if start == 0 and self.val_pairs and hp.eval_interval:
+            cb.on_metrics(0, self._validation_metrics())  # the starting point of the validation curve
+        last_saved = start
+        step = start
+        for step in range(start + 1, self.total_steps + 1):
+            if cb.should_stop():
+                step -= 1
+                if last_saved != step:
+                    self._save(step, last_metrics)
+                cb.on_event("info", f"stopped at step {step}", {"step": step})
+                return RunResult(step, self.total_steps, True, None, last_metrics)
+            last_metrics = self._step(step)
+            if step % hp.checkpoint_interval == 0 or step == self.total_steps:
+                self._save(step, last_metrics)
+                last_saved = step
+        adapter = self.out / "adapter"
+        shutil.rmtree(adapter, ignore_errors=True)
+        final = ckpt.latest_checkpoint(self.out)
+        assert final is not None and final.step == self.total_steps
+        shutil.copytree(final.adapter_dir, adapter)
+        cb.on_event("info", "training finished", {"step": step})
+        return RunResult(self.total_steps, self.total_steps, False, adapter, last_metrics)
+
+    def _step(self, step: int) -> dict[str, float]:
+        hp = self.hp
+        t0 = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        idx = self.sampler.next(hp.batch_size)
+        n = len(idx)
+        sums = {"loss": 0.0, "acc": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
+        tokens = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        for sl in micro_slices(n, hp.micro_batch_size):
+            pairs = [self.train_pairs[i] for i in idx[sl]]
+            chosen, rejected, r_c, r_r = self._pair_forward(pairs, train=True)
+            per_pair = self.loss(chosen, rejected, self._options(pairs))  # [b]
+            loss = per_pair.sum() / n  # this micro-batch's share of the step's mean
+            loss.backward()
+            _accumulate(sums, per_pair.detach(), r_c, r_r)
+            tokens += sum(len(p.prompt_ids) * 2 + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+        max_norm = hp.max_grad_norm if hp.max_grad_norm is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        train_s = time.perf_counter() - t0
+
+        m = {
+            M.LOSS_TOTAL: sums["loss"] / n,
+            M.PREFERENCE_ACCURACY: sums["acc"] / n,
+            M.PREFERENCE_MARGIN: sums["margin"] / n,
+            M.REWARDS_CHOSEN: sums["chosen"] / n,
+            M.REWARDS_REJECTED: sums["rejected"] / n,
+            M.GRAD_NORM: grad_norm,
+            M.LEARNING_RATE: lr,
+            M.TOKENS_PER_S_TRAINING: tokens / max(train_s, 1e-9),
+        }
+        if self.val_pairs and ((hp.eval_interval and step % hp.eval_interval == 0) or step == self.total_steps):
+            m |= self._validation_metrics()
+        m[M.STEP_SECONDS] = time.perf_counter() - t0
+        self.cb.on_metrics(step, m)
+        return m
+
+    # -- the forward -------------------------------------------------------------------------------------------
+
+    def _batch(self, pairs: list[EncodedPair]) -> Rollout:
+        """2b rows: the chosen replies, then the rejected ones, each after its prompt."""
+        prompts = [p.prompt_ids for p in pairs] * 2
+        replies = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
+        return completion_batch(prompts, replies, self.tokenizer.pad_token_id).to(self.device)
+
+    def _pair_forward(self, pairs: list[EncodedPair], *, train: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(chosen, rejected): the loss's inputs [b] (r for a reward model, Δ for DPO), and the rewards to report
+        [b] each (r, or the implicit β·Δ), detached."""
+        b = len(pairs)
+        batch = self._batch(pairs)
+        if self.reward_model:
+            self.model.train(train and self.spec.method.lora.dropout > 0)
+            scores = sequence_scores(self.model, batch, precision=self.precision)  # [2b]
+            self.model.eval()
+            return scores[:b], scores[b:], scores[:b].detach(), scores[b:].detach()
+        assert isinstance(self.hp, DPOHyperparameters)
+        with torch.no_grad(), reference_policy(self.model):  # eval mode: no dropout in the reference
+            ref = self._sequence_logps(batch)
+        self.model.train(train and self.spec.method.lora.dropout > 0)
+        logp = self._sequence_logps(batch)  # [2b]
+        self.model.eval()
+        delta = logp - ref
+        rewards = self.hp.beta * delta.detach()
+        return delta[:b], delta[b:], rewards[:b], rewards[b:]
+
+    def _sequence_logps(self, batch: Rollout) -> Tensor:
+        """log π(y|x) = Σ_t log π(y_t | x, y_<t) over the reply's tokens (EOS included), no length normalisation:
+        [B]."""
+        logp, _ = completion_logprobs(self.model, batch, temperature=1.0, precision=self.precision)
+        return masked_sum(logp, batch.completion_mask, dim=-1)
+
+    def _options(self, pairs: list[EncodedPair]) -> PairwiseOptions:
+        hp = self.hp
+        if isinstance(hp, RewardModelHyperparameters):
+            margin = torch.tensor([hp.margin + p.margin for p in pairs], device=self.device)
+            return PairwiseOptions(margin=margin, center_coefficient=hp.center_rewards_coefficient or 0.0)
+        return PairwiseOptions(
+            beta=hp.beta,
+            label_smoothing=hp.label_smoothing,
+            chosen_tokens=torch.tensor([float(len(p.chosen_ids)) for p in pairs], device=self.device),
+            rejected_tokens=torch.tensor([float(len(p.rejected_ids)) for p in pairs], device=self.device),
+        )
+
+    # -- validation and the reward model's statistics ----------------------------------------------------------
+
+    @torch.no_grad()
+    def _validation_metrics(self) -> dict[str, float]:
+        """Loss, accuracy, margin and rewards over the validation pairs (eval mode, the training batch layout)."""
+        sums = {"loss": 0.0, "acc": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
+        n = len(self.val_pairs)
+        for sl in micro_slices(n, self.hp.micro_batch_size or self.hp.batch_size):
+            pairs = self.val_pairs[sl]
+            chosen, rejected, r_c, r_r = self._pair_forward(pairs, train=False)
+            _accumulate(sums, self.loss(chosen, rejected, self._options(pairs)), r_c, r_r)
+        return {
+            M.VAL_LOSS: sums["loss"] / n,
+            M.validation(M.PREFERENCE_ACCURACY): sums["acc"] / n,
+            M.validation(M.PREFERENCE_MARGIN): sums["margin"] / n,
+            M.validation(M.REWARDS_CHOSEN): sums["chosen"] / n,
+            M.validation(M.REWARDS_REJECTED): sums["rejected"] / n,
+        }
+
+    @torch.no_grad()
+    def _reward_model_info(self, *, final: bool) -> RewardModelInfo:
+        """``reward_model.json``; at the end with the mean and std of the scores of the validation pairs (else of up
+        to STATS_PAIRS training pairs), chosen and rejected together: what ``normalize`` standardises with."""
+        assert isinstance(self.hp, RewardModelHyperparameters)
+        info = RewardModelInfo(base_model=self.spec.model, max_length=self.hp.max_length)
+        if not final:
+            return info
+        source, pairs = ("validation", self.val_pairs) if self.val_pairs else ("training", self.train_pairs)
+        pairs = pairs[:STATS_PAIRS]
+        scores = []
+        for sl in micro_slices(len(pairs), self.hp.micro_batch_size or self.hp.batch_size):
+            _, _, r_c, r_r = self._pair_forward(pairs[sl], train=False)
+            scores += [r_c.cpu(), r_r.cpu()]
+        mean, std = score_statistics(torch.cat(scores))
+        return RewardModelInfo(
+            base_model=self.spec.model,
+            max_length=self.hp.max_length,
+            score_mean=mean,
+            score_std=std,
+            scored_on=source,
+            n_scores=2 * len(pairs),
+        )
+
+
+def _accumulate(sums: dict[str, float], per_pair: Tensor, r_c: Tensor, r_r: Tensor) -> None:
+    """Add a micro-batch's sums: loss, accuracy (r_c > r_r, ties count as wrong), margin and rewards."""
+    sums["loss"] += float(per_pair.sum())
+    sums["acc"] += float((r_c > r_r).float().sum())
+    sums["margin"] += float((r_c - r_r).sum())
+    sums["chosen"] += float(r_c.sum())
+    sums["rejected"] += float(r_r.sum())

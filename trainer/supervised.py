@@ -1,0 +1,308 @@
+"""The supervised fine-tuning loop, readable top to bottom.
+
+One training step: ``batch_size`` conversations → rows (one conversation a row, or several packed into rows of
+``max_length`` tokens) → for each micro-batch of rows, next-token cross-entropy on the assistant tokens only → one
+optimiser step. The loss is a token mean over the whole step's trained tokens (``core_algos``' ``token_mean``
+against the step's total), so micro-batching and packing change the layout, never the loss.
+
+Packing keeps attention inside each conversation: the position ids restart at 0 for every packed conversation and
+no 2-D attention mask is passed, from which transformers builds a block-diagonal causal mask (its "packed sequence"
+format, ``masking_utils.find_packed_sequence_indices``; checked against unpacked rows by the tests).
+Without packing, ``group_by_length`` draws batches of conversations of similar length so that rows pad little.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig
+
+from trainer import checkpoint as ckpt
+from trainer import metrics as M
+from trainer.callbacks import Callback
+from trainer.config import JobSpec, SpecError, SupervisedHyperparameters
+from trainer.core_algos import AGGREGATIONS, LossScale, cosine_or_constant_lr, selective_log_softmax
+from trainer.data import (
+    EncodedExample,
+    LengthGroupedSampler,
+    PromptSampler,
+    encode_supervised,
+    load_supervised,
+    pack_examples,
+)
+from trainer.models import (
+    ModelError,
+    Precision,
+    add_lora,
+    autocast,
+    default_device,
+    load_base_model,
+    load_tokenizer,
+    resolve_precision,
+    store_frozen_linears_in,
+    trainable_parameters,
+)
+from trainer.rollout import micro_slices, position_ids
+from trainer.train import RunResult, seed_everything
+
+LENGTH_GROUP_BATCHES = 16  # group_by_length sorts mega-batches of this many batches by length (HF's default: 50)
+
+
+@dataclass
+class Rows:
+    """A micro-batch of rows, right-padded to T tokens."""
+
+    ids: Tensor  # [B, T]
+    targets: Tensor  # [B, T] bool: token t is trained (predicted from position t − 1)
+    position_ids: Tensor  # [B, T] restarting at 0 for every conversation of a packed row
+    attention_mask: Tensor | None  # [B, T]; None for packed rows (the position ids say where conversations start)
+
+
+def collate(examples: list[list[EncodedExample]], pad_id: int, *, packed: bool) -> Rows:
+    """Rows of concatenated conversations (one each unless packed) → :class:`Rows`. The padding at a row's end
+    counts as one more sequence in a packed row (its positions restart at 0), so it never attends to a real token."""
+    width = max(sum(len(e.ids) for e in row) for row in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    targets = torch.zeros((len(examples), width), dtype=torch.bool)
+    pos = torch.zeros((len(examples), width), dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for r, row in enumerate(examples):
+        t = 0
+        for e in row:
+            n = len(e.ids)
+            ids[r, t : t + n] = torch.tensor(e.ids)
+            targets[r, t : t + n] = torch.tensor(e.targets)
+            pos[r, t : t + n] = torch.arange(n)
+            mask[r, t : t + n] = 1
+            t += n
+        pos[r, t:] = torch.arange(width - t)
+    if packed:
+        return Rows(ids, targets, pos, None)
+    return Rows(ids, targets, position_ids(mask), mask)
+
+
+class SupervisedTrainer:
+    """Holds what the loop needs; :meth:`run` is the loop."""
+
+    def __init__(self, spec: JobSpec, *, output_dir: Path, callback: Callback, device: torch.device | None = None):
+        self.spec, self.out, self.cb = spec, output_dir, callback
+        assert isinstance(spec.method.hyperparameters, SupervisedHyperparameters)
+        self.hp: SupervisedHyperparameters = spec.method.hyperparameters
+        hp = self.hp
+
+        # Everything that can be wrong with the input is checked before the model's weights are loaded.
+        train_items = load_supervised(Path(spec.training_file))
+        val_items = load_supervised(Path(spec.validation_file)) if spec.validation_file else []
+        self.tokenizer = load_tokenizer(spec.model)
+        last_only = hp.assistant_turns == "last"
+        self.train_examples = encode_supervised(
+            self.tokenizer, train_items, max_length=hp.max_length, last_turn_only=last_only, path=spec.training_file
+        )
+        self.val_examples = encode_supervised(
+            self.tokenizer,
+            val_items,
+            max_length=hp.max_length,
+            last_turn_only=last_only,
+            path=spec.validation_file or "",
+        )
+        try:
+            model_cfg = AutoConfig.from_pretrained(spec.model)
+        except (OSError, ValueError) as err:
+            raise ModelError(f"cannot load model {spec.model!r}: {err}") from None
+        max_pos = getattr(model_cfg, "max_position_embeddings", None)
+        longest = max(len(e.ids) for e in self.train_examples + self.val_examples)
+        if max_pos is not None and longest > max_pos:
+            raise SpecError(
+                f"the longest conversation ({longest} tokens) exceeds the model's context of {max_pos} tokens",
+                param=f"method.{spec.method.type}.hyperparameters.max_length",
+            )
+        if hp.eval_samples:
+            self.val_examples = self.val_examples[: hp.eval_samples]
+        self.total_steps = hp.max_steps or hp.n_epochs * math.ceil(len(self.train_examples) / hp.batch_size)
+
+        self.device = device or default_device()
+        self.precision: Precision = resolve_precision(hp.precision, self.device)
+        seed_everything(spec.seed)
+        base = load_base_model(spec.model, self.device)
+        if self.precision == "bf16":
+            store_frozen_linears_in(base, torch.bfloat16)
+        self.model = add_lora(base, spec.method.lora, seed=spec.seed)
+        if self.precision == "bf16" and self.device.type == "cpu":
+            # The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md).
+            self.model.get_base_model().set_attn_implementation("eager")
+        self.params = trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=hp.effective_learning_rate,
+            betas=(hp.adam_beta1, hp.adam_beta2),
+            weight_decay=hp.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: cosine_or_constant_lr(
+                s, warmup=hp.warmup_steps, total=self.total_steps, schedule=hp.lr_scheduler
+            ),
+        )
+        lengths = [len(e.ids) for e in self.train_examples]
+        self.sampler = (
+            LengthGroupedSampler(lengths, seed=spec.seed, group=hp.batch_size * LENGTH_GROUP_BATCHES)
+            if hp.group_by_length and not hp.packing
+            else PromptSampler(len(lengths), seed=spec.seed)
+        )
+        # Nothing here samples; the generator only makes a checkpoint restore every RNG, as the RL loop's does.
+        self.generator = torch.Generator(self.device).manual_seed(spec.seed)
+        self.aggregate = AGGREGATIONS.get("token_mean")
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def _state(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": ckpt.rng_state(self.generator),
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> int:
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, t in state["trainable"].items():
+                named[n].copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.set_rng_state(state["rng"], self.generator)
+        return int(state["step"])
+
+    def _save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
+        c = ckpt.save_checkpoint(
+            self.out,
+            step=step,
+            model=self.model,
+            state=self._state(step),
+            spec=self.spec.to_json(),
+            metrics=metrics,
+        )
+        self.cb.on_checkpoint(step, c.path, metrics)
+        return c
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def run(self, *, resume: bool = False) -> RunResult:
+        hp, cb = self.hp, self.cb
+        start = 0
+        latest = ckpt.latest_checkpoint(self.out) if resume else None
+        if latest is not None:
+            start = self._load_state(ckpt.load_state(latest))
+            cb.on_event("info", f"resumed from checkpoint at step {start}", {"step": start})
+        else:
+            cb.on_event(
+                "info",
+                f"training {self.spec.method.type} on {self.spec.model} for {self.total_steps} steps",
+                {"total_steps": self.total_steps, "precision": self.precision},
+            )
+        last_metrics: dict[str, float] = {}
+        if start == 0 and self.val_examples and hp.eval_interval:
+            cb.on_metrics(0, self._validation_metrics())  # the base model's point on the validation curve
+        last_saved = start
+        step = start
+        for step in range(start + 1, self.total_steps + 1):
+            if cb.should_stop():
+                step -= 1
+                if last_saved != step:
+                    self._save(step, last_metrics)
+                cb.on_event("info", f"stopped at step {step}", {"step": step})
+                return RunResult(step, self.total_steps, True, None, last_metrics)
+            last_metrics = self._step(step)
+            if step % hp.checkpoint_interval == 0 or step == self.total_steps:
+                self._save(step, last_metrics)
+                last_saved = step
+        adapter = self.out / "adapter"
+        shutil.rmtree(adapter, ignore_errors=True)
+        final = ckpt.latest_checkpoint(self.out)
+        assert final is not None and final.step == self.total_steps
+        shutil.copytree(final.adapter_dir, adapter)
+        cb.on_event("info", "training finished", {"step": step})
+        return RunResult(self.total_steps, self.total_steps, False, adapter, last_metrics)
+
+    def _rows(self, examples: list[EncodedExample]) -> list[list[EncodedExample]]:
+        if not self.hp.packing:
+            return [[e] for e in examples]
+        return [[examples[i] for i in row] for row in pack_examples([len(e.ids) for e in examples], self.hp.max_length)]
+
+    def _step(self, step: int) -> dict[str, float]:
+        hp = self.hp
+        t0 = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        rows = self._rows([self.train_examples[i] for i in self.sampler.next(hp.batch_size)])
+        scale = LossScale(float(sum(sum(e.targets) for row in rows for e in row)), len(rows), 0)
+        loss_sum = correct = tokens = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train(self.spec.method.lora.dropout > 0)
+        for sl in micro_slices(len(rows), hp.micro_batch_size):
+            batch = collate(rows[sl], self.tokenizer.pad_token_id, packed=hp.packing)
+            nll, mask, hits = self._token_losses(batch)
+            loss = self.aggregate(nll, mask, scale)  # this micro-batch's share of the step's token mean
+            loss.backward()
+            loss_sum += float(loss.detach())
+            correct += float(hits)
+            tokens += float(batch.ids.numel())
+        self.model.eval()
+        max_norm = hp.max_grad_norm if hp.max_grad_norm is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        train_s = time.perf_counter() - t0
+
+        m = {
+            M.LOSS_TOTAL: loss_sum,
+            M.TOKEN_ACCURACY: correct / max(scale.total_tokens, 1.0),
+            M.GRAD_NORM: grad_norm,
+            M.LEARNING_RATE: lr,
+            M.TOKENS_PER_S_TRAINING: tokens / max(train_s, 1e-9),
+        }
+        if self.val_examples and ((hp.eval_interval and step % hp.eval_interval == 0) or step == self.total_steps):
+            m |= self._validation_metrics()
+        m[M.STEP_SECONDS] = time.perf_counter() - t0
+        self.cb.on_metrics(step, m)
+        return m
+
+    def _token_losses(self, batch: Rows) -> tuple[Tensor, Tensor, Tensor]:
+        """(−log p of every next token [B, T−1], the trained-token mask [B, T−1], how many the argmax gets right)."""
+        ids = batch.ids.to(self.device)
+        attention = batch.attention_mask.to(self.device) if batch.attention_mask is not None else None
+        with autocast(self.precision, self.device):
+            logits = self.model(
+                input_ids=ids,
+                attention_mask=attention,
+                position_ids=batch.position_ids.to(self.device),
+                use_cache=False,
+            ).logits
+        logits = logits[:, :-1]  # logits[:, t] predicts token t + 1
+        target, mask = ids[:, 1:], batch.targets[:, 1:].to(self.device)
+        nll = -selective_log_softmax(logits, target)
+        hits = ((logits.detach().argmax(-1) == target) & mask).sum()
+        return nll, mask, hits
+
+    @torch.no_grad()
+    def _validation_metrics(self) -> dict[str, float]:
+        """Token-mean cross-entropy and argmax accuracy over the validation conversations' trained tokens."""
+        examples = self.val_examples
+        total = float(sum(sum(e.targets) for e in examples))
+        scale = LossScale(total, len(examples), 0)
+        loss = correct = 0.0
+        for sl in micro_slices(len(examples), self.hp.micro_batch_size or self.hp.batch_size):
+            batch = collate([[e] for e in examples[sl]], self.tokenizer.pad_token_id, packed=False)
+            nll, mask, hits = self._token_losses(batch)
+            loss += float(self.aggregate(nll, mask, scale))
+            correct += float(hits)
+        return {M.VAL_LOSS: loss, M.validation(M.TOKEN_ACCURACY): correct / max(total, 1.0)}
