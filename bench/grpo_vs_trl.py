@@ -11,10 +11,11 @@ turns on TRL's default).
 
 Each side runs in its own subprocess (``--worker``) so that its peak memory is its own: peak RSS (``VmHWM``) is
 reset after the warm-up steps and read after the last measured step. Sides alternate: ours, TRL, ours, TRL, ...
-(``--rounds``). Step time is the wall time between consecutive step ends, warm-up steps excluded.
+(``--rounds``). Step time is the wall time between consecutive step ends, warm-up steps excluded. The
+configuration, the models and this harness are shared with ``ppo_vs_trl.py`` (``common.py``).
 
-Models: Qwen2 architecture, randomly initialised (seed 0) and saved with a locally built word-level tokenizer of
-1024 tokens into ``--workdir``: ``small`` = hidden 256, 4 layers; ``large`` = hidden 512, 8 layers (FFN 4×hidden,
+Models: Qwen2 architecture, randomly initialised (seed 0) and saved with a locally built byte-level BPE of 1024
+tokens into ``--workdir``: ``small`` = hidden 256, 4 layers; ``large`` = hidden 512, 8 layers (FFN 4×hidden,
 head dim 64, 2 query heads per KV head, tied embeddings).
 
 Model FLOPs per step (MFU's numerator; padding excluded, attention-score FLOPs left out: < 4% at context ≤ 64):
@@ -36,141 +37,41 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BATCH_PROMPTS = 8
-GROUP = 8
-ROWS = BATCH_PROMPTS * GROUP
-COMPLETION = 32
-PROMPT_MIN, PROMPT_MAX = 16, 32
-N_PROMPTS = 512
-VOCAB = 1024
-LORA_R, LORA_ALPHA = 16, 32
+from common import (
+    BATCH_PROMPTS,
+    COMPLETION,
+    DEFAULT_WORKDIR,
+    GRADER,
+    GROUP,
+    LORA_ALPHA,
+    LORA_R,
+    LR,
+    MODELS,
+    PROMPT_MAX,
+    ROWS,
+    SEED,
+    VOCAB,
+    ModelShape,
+    PhaseTimer,
+    StepClock,
+    build_assets,
+    emit_result,
+    flop_terms,
+    format_phases,
+    patch_backward,
+    prompt_lengths,
+    run_rounds,
+    run_worker,
+    summarise,
+)
+
 BETA = 0.04
-LR = 3e-4
-SEED = 0
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-
-    @property
-    def intermediate(self) -> int:
-        return 4 * self.hidden
-
-    @property
-    def heads(self) -> int:
-        return self.hidden // 64
-
-    @property
-    def kv_heads(self) -> int:
-        return max(self.heads // 2, 1)
-
-
-MODELS = {"small": ModelShape(256, 4), "large": ModelShape(512, 8)}
-
-# The length_penalty grader is the reward on both sides: ~5 characters a token, so 32 tokens ≈ 150–200 characters
-# and the reward varies within every group.
-GRADER = {"type": "length_penalty", "name": "len", "input": "{{sample.output_text}}", "max_chars": 100}
-
-
-# -- set-up: tokenizer, model, prompts ------------------------------------------------------------------------
-
-
-def _words(rng: random.Random) -> list[str]:
-    consonants, vowels = "bcdfghjklmnprstvwz", "aeiou"
-    syllables = [c + v for c in consonants for v in vowels]
-    words = sorted({a + b for a in syllables for b in syllables})
-    rng.shuffle(words)
-    return words[:2000] + [str(d) for d in range(10)]
-
-
-def _tokenizer(rng: random.Random, words: list[str]) -> Any:
-    """A byte-level BPE of VOCAB tokens trained on the synthetic words. (A word-level tokenizer would not do:
-    transformers 5 loads a Qwen2 folder's tokenizer as ``Qwen2Tokenizer``, which rebuilds a byte-level BPE.)"""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(5000)]
-    tok.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(
-            vocab_size=VOCAB,
-            special_tokens=["<pad>", "</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", padding_side="left")
-
-
-def _prompt(rng: random.Random, words: list[str], tok: Any) -> tuple[str, int]:
-    """Random words up to a random length of PROMPT_MIN..PROMPT_MAX tokens: (text, its token count)."""
-    target = rng.randint(PROMPT_MIN, PROMPT_MAX)
-    text = ""
-    while True:
-        longer = (text + " " + rng.choice(words)).strip()
-        n = len(tok(longer, add_special_tokens=False)["input_ids"])
-        if n > target:
-            return text, len(tok(text, add_special_tokens=False)["input_ids"])
-        text = longer
-
-
-def build_assets(workdir: Path, model: str) -> tuple[Path, Path]:
-    """The model folder (weights + tokenizer) and the prompt file, built once per workdir, deterministically."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    shape = MODELS[model]
-    tok_dir = workdir / "tokenizer"
-    model_dir = workdir / f"qwen2-h{shape.hidden}-l{shape.layers}"
-    prompts = workdir / "prompts.jsonl"
-    rng = random.Random(SEED)
-    words = _words(rng)
-    if not (tok_dir / "tokenizer.json").exists():
-        _tokenizer(rng, words).save_pretrained(tok_dir)
-    if (model_dir / "config.json").exists() and prompts.exists():
-        return model_dir, prompts
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    torch.manual_seed(SEED)
-    Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
-    for f in tok_dir.iterdir():
-        (model_dir / f.name).write_bytes(f.read_bytes())
-    tok = AutoTokenizer.from_pretrained(model_dir)  # as both trainers will load it
-    assert (tok.pad_token_id, tok.eos_token_id) == (0, 1), (tok.pad_token_id, tok.eos_token_id)
-    if not prompts.exists():
-        rows = [_prompt(rng, words, tok) for _ in range(N_PROMPTS)]
-        prompts.write_text("".join(json.dumps({"prompt": t, "n_tokens": n}) + "\n" for t, n in rows))
-    return model_dir, prompts
-
-
-def prompt_lengths(prompts: Path) -> list[int]:
-    return [json.loads(ln)["n_tokens"] for ln in prompts.read_text().splitlines() if ln.strip()]
 
 
 # -- FLOPs and the machine's matmul rate --------------------------------------------------------------------------
@@ -178,17 +79,12 @@ def prompt_lengths(prompts: Path) -> list[int]:
 
 def model_flops_per_step(shape: ModelShape, mean_prompt: float) -> dict[str, float]:
     """Model FLOPs of one step by phase (the formula in the module docstring)."""
-    h, i, kv = shape.hidden, shape.intermediate, shape.kv_heads * 64
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i
-    lora_per_layer = LORA_R * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
-    n, n_l, head = shape.layers * per_layer, shape.layers * lora_per_layer, VOCAB * h
-    t = ROWS * (mean_prompt + COMPLETION)
-    logits = 2 * head * ROWS * COMPLETION
+    f = flop_terms(shape, mean_prompt)
     return {
-        "generation": 2 * (n + n_l) * ROWS * (mean_prompt + COMPLETION - 1) + logits,
-        "reference": 2 * n * t + logits,
-        "policy_fwd": 2 * (n + n_l) * t + logits,
-        "backward": 2 * n * t + logits + 4 * n_l * t,
+        "generation": f.generation(mean_prompt),
+        "reference": f.forward(adapter=False),
+        "policy_fwd": f.forward(adapter=True),
+        "backward": f.backward(),
     }
 
 
@@ -207,67 +103,6 @@ def matmul_gflops(dtype_name: str, size: int = 2048, seconds: float = 1.5) -> fl
 
 
 # -- workers: one side's run in its own process -----------------------------------------------------------------
-
-
-def _reset_peak_rss() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux ≥ 4.0)
-
-
-def _peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-class PhaseTimer:
-    """Wall time by phase, summed over the measured steps (``on`` is False during warm-up)."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.sums: dict[str, float] = {}
-
-    def wrap(self, fn: Any, name: str | Any) -> Any:
-        """``name`` may be a callable choosing the phase at call time (e.g. by whether grad is enabled)."""
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if self.on:
-                    key = name() if callable(name) else name
-                    self.sums[key] = self.sums.get(key, 0.0) + time.perf_counter() - t0
-
-        return timed
-
-
-class StepClock:
-    """Step times between consecutive step ends; resets peak RSS and starts the phase timer after warm-up."""
-
-    def __init__(self, warmup: int, phases: PhaseTimer) -> None:
-        self.warmup, self.phases = warmup, phases
-        self.done = 0
-        self.last = time.perf_counter()
-        self.times: list[float] = []
-        self.peak_rss_mib = 0.0
-
-    def step_end(self) -> None:
-        now = time.perf_counter()
-        self.done += 1
-        if self.done > self.warmup:
-            self.times.append(now - self.last)
-            self.peak_rss_mib = _peak_rss_mib()
-        if self.done == self.warmup:
-            _reset_peak_rss()
-            self.phases.on = True
-        self.last = now
-
-
-def _patch_backward(phases: PhaseTimer) -> None:
-    import torch
-
-    torch.Tensor.backward = phases.wrap(torch.Tensor.backward, "backward")  # type: ignore[method-assign]
 
 
 def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int) -> Any:
@@ -322,14 +157,14 @@ def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup:
             clock.step_end()
             lengths.append((metrics["completion_len/mean"], metrics["completion_len/max"]))
 
-    def logp_phase() -> str:
+    def logp_phase(*_: Any, **__: Any) -> str:
         return "policy_fwd" if torch.is_grad_enabled() else "reference"
 
     rl.generate = phases.wrap(rl.generate, "generation")  # type: ignore[assignment]
     rl.completion_logprobs = phases.wrap(rl.completion_logprobs, logp_phase)  # type: ignore[assignment]
     rl.grade_batch = phases.wrap(rl.grade_batch, "reward")  # type: ignore[assignment]
     rl.decode_completions = phases.wrap(rl.decode_completions, "reward")  # type: ignore[assignment]
-    _patch_backward(phases)
+    patch_backward(phases)
     spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps)
     with tempfile.TemporaryDirectory() as out:
         t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device("cpu"))
@@ -372,12 +207,12 @@ def run_trl(
             if phases.on:
                 phases.sums["optimizer"] = phases.sums.get("optimizer", 0.0) + time.perf_counter() - self.t0
 
-    def logp_phase() -> str:
+    def logp_phase(*_: Any, **__: Any) -> str:
         return "policy_fwd" if torch.is_grad_enabled() else "reference"
 
     for method, phase in (("_generate_single_turn", "generation"), ("_get_per_token_logps_and_entropies", logp_phase)):
         setattr(GRPOTrainer, method, phases.wrap(getattr(GRPOTrainer, method), phase))
-    _patch_backward(phases)
+    patch_backward(phases)
     reward_fn = phases.wrap(reward, "reward")
     reward_fn.__name__ = "len"
     rows = [json.loads(ln) for ln in prompts.read_text().splitlines() if ln.strip()]
@@ -444,47 +279,23 @@ def worker_main(a: argparse.Namespace) -> None:
     else:
         res = run_trl(model_dir, prompts, a.precision, a.steps, a.warmup, a.trl_gradient_checkpointing)
     res["threads"] = torch.get_num_threads()
-    print("RESULT " + json.dumps(res), flush=True)
+    emit_result(res)
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
 
 
 def run_side(side: str, model_dir: Path, prompts: Path, a: argparse.Namespace) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        side,
-        "--model-dir",
-        str(model_dir),
-        "--prompts",
-        str(prompts),
-        "--precision",
-        a.precision,
-        "--steps",
-        str(a.steps),
-        "--warmup",
-        str(a.warmup),
-    ]
+    argv = ["--model-dir", str(model_dir), "--prompts", str(prompts), "--precision", a.precision]
+    argv += ["--steps", str(a.steps), "--warmup", str(a.warmup)]
     if a.trl_gradient_checkpointing:
-        cmd.append("--trl-gradient-checkpointing")
+        argv.append("--trl-gradient-checkpointing")
     if a.threads:
-        cmd += ["--threads", str(a.threads)]
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    results = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not results:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"{side} worker failed (exit {proc.returncode})")
-    return dict(json.loads(results[-1].removeprefix("RESULT ")))
+        argv += ["--threads", str(a.threads)]
+    return run_worker(__file__, side, argv)
 
 
-def _fmt_phases(phases: dict[str, float]) -> str:
-    order = ["generation", "reference", "policy_fwd", "backward", "optimizer", "reward"]
-    parts = [f"{k} {phases[k]:.3f}" for k in order if k in phases]
-    return ", ".join(parts)
+PHASES = ["generation", "reference", "policy_fwd", "backward", "optimizer", "reward"]
 
 
 def main() -> None:
@@ -495,7 +306,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps at the start of every run")
     p.add_argument("--rounds", type=int, default=2, help="ours, TRL alternations")
     p.add_argument("--sides", default="ours,trl", help="comma-separated subset of ours,trl")
-    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "proxima-grpo-bench")
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off: the same work")
     p.add_argument("--threads", type=int, help="torch threads on both sides (default: torch's, one per core)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -531,37 +342,10 @@ def main() -> None:
     load = os.getloadavg()[0]
     if load > 0.5:
         print(f"warning: load average {load:.1f} before the start: other processes share these cores", flush=True)
-    sides = a.sides.split(",")
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
-    for r in range(a.rounds):
-        for side in sides:
-            res = run_side(side, model_dir, prompts, a)
-            runs[side].append(res)
-            print(
-                f"round {r + 1} {side:4s}: "
-                + " ".join(f"{t:.3f}" for t in res["step_s"])
-                + f" s/step, peak RSS {res['peak_rss_mib']:.0f} MiB (load {os.getloadavg()[0]:.1f})",
-                flush=True,
-            )
-
-    summary: dict[str, dict[str, Any]] = {}
-    for side, rs in runs.items():
-        times = [t for res in rs for t in res["step_s"]]
-        sec = statistics.fmean(times)
-        phases: dict[str, float] = {}
-        for res in rs:
-            for k, v in res["phases"].items():
-                phases[k] = phases.get(k, 0.0) + v
-        summary[side] = {
-            "s_per_step": sec,
-            "s_min": min(times),
-            "s_max": max(times),
-            "gen_tok_s": ROWS * COMPLETION / sec,
-            "peak_rss_mib": max(res["peak_rss_mib"] for res in rs),
-            "mfu": total_flops / (sec * rate[a.precision] * 1e9),
-            "phases_per_step": {k: v / len(times) for k, v in phases.items()},
-            "steps": len(times),
-        }
+    runs = run_rounds(a.sides.split(","), a.rounds, lambda side: run_side(side, model_dir, prompts, a))
+    summary = summarise(runs)
+    for s in summary.values():
+        s["mfu"] = total_flops / (s["s_per_step"] * rate[a.precision] * 1e9)
     print()
     print(f"{'side':6s} {'s/step':>8s} {'(min–max)':>15s} {'gen tok/s':>10s} {'peak RSS':>10s} {'MFU':>6s}")
     for side, s in summary.items():
@@ -577,7 +361,7 @@ def main() -> None:
         )
     print("\nseconds per step by phase (the rest: data, advantages, loss arithmetic, metrics):")
     for side, s in summary.items():
-        print(f"  {side:4s}: {_fmt_phases(s['phases_per_step'])}")
+        print(f"  {side:4s}: {format_phases(s['phases_per_step'], PHASES)}")
     if a.json:
         a.json.write_text(
             json.dumps(
