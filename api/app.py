@@ -135,12 +135,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
         docs_url="/docs",
     )
-    app.dependency_overrides[get_settings] = lambda: settings
     errors.install(app)
     for router in (files.router, jobs.router, graders.router, models.router, health.router):
         app.include_router(router)
     dashboard.install(app)
     app.add_middleware(UploadGuardMiddleware, max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(RequestIdMiddleware)
+    # Routes read the settings from here (api.deps.SettingsDep). Not through app.dependency_overrides: while any
+    # override is set, FastAPI re-inspects every dependency's signature on every request (a fifth of a job read).
     app.state.settings = settings
     return app

@@ -35,11 +35,19 @@ a job poll). A revoked key therefore keeps working for at most this long."""
 _key_cache: dict[str, tuple[float, str, str, int]] = {}
 
 
-def tenant_for_key(session: Session, key: str) -> Tenant | None:
-    digest = hash_key(key)
-    hit = _key_cache.get(digest)
+def cached_tenant(key: str) -> Tenant | None:
+    """The key's tenant if this process looked it up less than ``KEY_CACHE_SECONDS`` ago, else None (no I/O)."""
+    hit = _key_cache.get(hash_key(key))
     if hit is not None and hit[0] > time.monotonic():
         return Tenant(id=hit[1], name=hit[2], created_at=hit[3])  # detached: routes read its fields only
+    return None
+
+
+def tenant_for_key(session: Session, key: str) -> Tenant | None:
+    cached = cached_tenant(key)
+    if cached is not None:
+        return cached
+    digest = hash_key(key)
     tenant = session.scalar(
         select(Tenant)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)

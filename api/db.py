@@ -6,17 +6,30 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+
+# Connections per API or worker process. The API also admits at most this many requests with an open session at a
+# time (``api.deps.get_session``), so a request that holds a connection never waits behind one that waits for one.
+POOL_SIZE = 20
+MAX_OVERFLOW = 20
+# SQLAlchemy's own defaults for a SQLite file, spelt out because ``pool_capacity`` counts them.
+SQLITE_POOL_SIZE = 5
+SQLITE_MAX_OVERFLOW = 10
 
 
 class Base(DeclarativeBase):
     pass
 
 
+def _sqlite_in_memory(url: str) -> bool:
+    return make_url(url).database in (None, "", ":memory:")
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        pool = {} if _sqlite_in_memory(url) else {"pool_size": SQLITE_POOL_SIZE, "max_overflow": SQLITE_MAX_OVERFLOW}
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record):  # type: ignore[no-untyped-def]
@@ -27,8 +40,15 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    # As many connections as the threadpool that runs sync routes (anyio: 40), so a burst queues instead of failing.
-    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20, pool_timeout=60)
+    return create_engine(url, pool_pre_ping=True, pool_size=POOL_SIZE, max_overflow=MAX_OVERFLOW, pool_timeout=60)
+
+
+def pool_capacity(url: str) -> int | None:
+    """The most connections ``engine_for(url)`` opens at once; None where the pool has no such limit (an in-memory
+    SQLite database keeps one connection per thread)."""
+    if url.startswith("sqlite"):
+        return None if _sqlite_in_memory(url) else SQLITE_POOL_SIZE + SQLITE_MAX_OVERFLOW
+    return POOL_SIZE + MAX_OVERFLOW
 
 
 @lru_cache
