@@ -75,11 +75,18 @@ class ProgressBar(BaseCallback):
         self.task = progress.add_task("training", total=total, completed=start, info="")
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        info = f"reward {metrics.get(M.REWARD_MEAN, 0.0):.3f}"
+        if M.REWARD_MEAN in metrics or M.LOSS_TOTAL not in metrics:
+            info = f"reward {metrics.get(M.REWARD_MEAN, 0.0):.3f}"
+        else:  # reward_model, dpo, supervised: no sampled reward, a loss
+            info = f"loss {metrics[M.LOSS_TOTAL]:.4f}"
+        if M.PREFERENCE_ACCURACY in metrics:
+            info += f"  acc {metrics[M.PREFERENCE_ACCURACY]:.3f}"
         if M.KL_MEAN in metrics:
             info += f"  kl {metrics[M.KL_MEAN]:.4f}"
         if M.VAL_REWARD_MEAN in metrics:
             info += f"  val {metrics[M.VAL_REWARD_MEAN]:.3f}"
+        elif M.VAL_LOSS in metrics:
+            info += f"  val loss {metrics[M.VAL_LOSS]:.4f}"
         self.progress.update(self.task, completed=step, info=info)
 
     def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:

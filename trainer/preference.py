@@ -109,7 +109,7 @@ class PreferenceTrainer:
             self.model = add_lora(base, spec.method.lora, seed=spec.seed)
         if self.precision == "bf16" and self.device.type == "cpu":
             # The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md).
-            self.model.get_base_model().set_attn_implementation("eager")
+            self.model.get_base_model().set_attn_implementation("eager")  # type: ignore[operator]
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -211,7 +211,7 @@ class PreferenceTrainer:
     def _step(self, step: int) -> dict[str, float]:
         hp = self.hp
         t0 = time.perf_counter()
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         idx = self.sampler.next(hp.batch_size)
         n = len(idx)
         sums = {"loss": 0.0, "acc": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}

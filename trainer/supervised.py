@@ -136,7 +136,7 @@ class SupervisedTrainer:
         self.model = add_lora(base, spec.method.lora, seed=spec.seed)
         if self.precision == "bf16" and self.device.type == "cpu":
             # The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md).
-            self.model.get_base_model().set_attn_implementation("eager")
+            self.model.get_base_model().set_attn_implementation("eager")  # type: ignore[operator]
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -242,7 +242,7 @@ class SupervisedTrainer:
     def _step(self, step: int) -> dict[str, float]:
         hp = self.hp
         t0 = time.perf_counter()
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         rows = self._rows([self.train_examples[i] for i in self.sampler.next(hp.batch_size)])
         scale = LossScale(float(sum(sum(e.targets) for row in rows for e in row)), len(rows), 0)
         loss_sum = correct = tokens = 0.0

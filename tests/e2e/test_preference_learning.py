@@ -1,0 +1,93 @@
+"""Learning on tiny-arith: a reward model learns to prefer correct sums on held-out problems, DPO raises the held-out
+preference accuracy and margin of its implicit reward, supervised fine-tuning on correct sums lowers validation loss.
+
+Slow (tens of seconds each on 2 cores, plus the one-off tiny-arith build) but run in CI. The held-out sets are the
+200 validation problems no training file contains; an accuracy over 200 pairs has a standard error of about 0.03.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer import metrics as M
+from trainer.callbacks import JsonlFiles
+from trainer.config import parse_spec
+from trainer.train import train
+
+FILES = {
+    "reward_model": ("preferences.jsonl", "validation_preferences.jsonl"),
+    "dpo": ("preferences.jsonl", "validation_preferences.jsonl"),
+    "supervised": ("supervised.jsonl", "validation_supervised.jsonl"),
+}
+
+
+def run(
+    method: str, model: Path, data: Path, out: Path, lora: dict[str, Any] | None = None, **hp: Any
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(the step-0 validation metrics, the final ones)."""
+    train_file, val_file = FILES[method]
+    # fp32 everywhere: the same trajectory on machines with and without fast bf16.
+    hyper = {"eval_interval": 1000, "checkpoint_interval": 1000, "precision": "fp32", **hp}
+    spec = parse_spec(
+        {
+            "model": str(model),
+            "training_file": str(data / train_file),
+            "validation_file": str(data / val_file),
+            "seed": 0,
+            "method": {"type": method, method: {"hyperparameters": hyper, "lora": lora or {}}},
+        }
+    )
+    result = train(spec, output_dir=out, callback=JsonlFiles(out))
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0
+    return first, result.final_metrics
+
+
+@pytest.mark.slow
+def test_reward_model_reaches_high_heldout_pairwise_accuracy(
+    tiny_arith_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """48 steps of 32 pairs (1.5 epochs). Measured 0.53 → 0.865 (0.80–0.87 across schedules): 100% of the pairs
+    whose rejected answer drops the carry into the hundreds (a digit shorter), 65–75% of those where the reward model
+    must check a units or tens digit itself. Longer runs (up to 8 epochs, 3000 pairs, other ranks and learning rates)
+    plateau at 0.80–0.85 on this 3M-parameter model."""
+    base, final = run(
+        "reward_model",
+        tiny_arith_dir,
+        arithmetic_data,
+        tmp_path,
+        lora={"r": 64, "alpha": 128},
+        batch_size=32,
+        max_steps=48,
+        learning_rate=1e-3,
+    )
+    acc = M.validation(M.PREFERENCE_ACCURACY)
+    print(f"reward model: held-out pairwise accuracy {base[acc]:.3f} → {final[acc]:.3f}")
+    assert final[acc] >= 0.8
+
+
+@pytest.mark.slow
+def test_dpo_raises_heldout_preference_accuracy_and_margin(
+    tiny_arith_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    base, final = run("dpo", tiny_arith_dir, arithmetic_data, tmp_path, batch_size=32, max_steps=20, learning_rate=1e-3)
+    acc, margin = M.validation(M.PREFERENCE_ACCURACY), M.validation(M.PREFERENCE_MARGIN)
+    print(
+        f"dpo: held-out implicit-reward accuracy {base[acc]:.3f} → {final[acc]:.3f}, "
+        f"margin {base[margin]:.3f} → {final[margin]:.3f}"
+    )
+    assert base[acc] == 0.0 and base[margin] == 0.0  # the policy starts as the reference
+    assert final[acc] >= 0.75 and final[margin] >= 0.5  # measured 0.835 and 0.90
+
+
+@pytest.mark.slow
+def test_supervised_lowers_validation_loss(tiny_arith_dir: Path, arithmetic_data: Path, tmp_path: Path) -> None:
+    base, final = run(
+        "supervised", tiny_arith_dir, arithmetic_data, tmp_path, batch_size=32, max_steps=10, learning_rate=1e-3
+    )
+    print(f"supervised: validation loss {base[M.VAL_LOSS]:.3f} → {final[M.VAL_LOSS]:.3f}")
+    assert final[M.VAL_LOSS] <= 0.5 * base[M.VAL_LOSS]  # measured 0.289 → 0.083
