@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from transformers import PreTrainedTokenizerBase
 
 from trainer import graders
 from trainer.config import LoraSpec, parse_spec
@@ -23,6 +24,7 @@ from trainer.reward_model import (
     load_reward_model,
     sequence_scores,
 )
+from trainer.rollout import Rollout
 
 PROMPTS = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in [(1, 2), (23, 58), (9, 9), (40, 4)]]
 REPLIES = ["3", "81", "", "4444"]
@@ -38,7 +40,11 @@ def reward_model_dir(random_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     out = tmp_path_factory.mktemp("rm-run")
     tok = load_tokenizer(str(random_model_dir))
     model = build_reward_model(
-        str(random_model_dir), LoraSpec(r=4), pad_token_id=tok.pad_token_id, seed=0, device=torch.device("cpu")
+        str(random_model_dir),
+        LoraSpec.model_validate({"r": 4}),
+        pad_token_id=tok.pad_token_id,
+        seed=0,
+        device=torch.device("cpu"),
     )
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
@@ -52,9 +58,9 @@ def reward_model_dir(random_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     return out
 
 
-def batch_of(tok: object, prompts: list, replies: list[str]) -> object:
+def batch_of(tok: PreTrainedTokenizerBase, prompts: list[list[dict[str, str]]], replies: list[str]) -> Rollout:
     enc = [encode_completion(tok, p, r) for p, r in zip(prompts, replies, strict=True)]
-    return completion_batch([p for p, _ in enc], [c for _, c in enc], tok.pad_token_id)  # type: ignore[attr-defined]
+    return completion_batch([p for p, _ in enc], [c for _, c in enc], tok.pad_token_id)
 
 
 def test_last_token_index_is_the_last_kept_position_for_any_padding() -> None:
@@ -69,7 +75,7 @@ def test_score_is_unchanged_by_appended_padding_and_batch_neighbours(reward_mode
     with torch.no_grad():
         scores = sequence_scores(model, batch, precision="fp32")
         pad = tok.pad_token_id
-        wider = type(batch)(
+        wider = Rollout(
             torch.nn.functional.pad(batch.prompt_ids, (3, 0), value=pad),
             torch.nn.functional.pad(batch.prompt_mask, (3, 0)),
             torch.nn.functional.pad(batch.completion_ids, (0, 5), value=pad),
@@ -88,13 +94,10 @@ def test_score_is_read_at_the_eos_even_when_pad_equals_eos(reward_model_dir: Pat
     rm = load_reward_model(reward_model_dir, precision="fp32")
     tok = rm.tokenizer
     enc = [encode_completion(tok, p, r) for p, r in zip(PROMPTS, REPLIES, strict=True)]
+    prompts, replies = [p for p, _ in enc], [c for _, c in enc]
     with torch.no_grad():
-        distinct = sequence_scores(
-            rm.model, completion_batch(*map(list, zip(*enc, strict=True)), tok.pad_token_id), precision="fp32"
-        )
-        same = sequence_scores(
-            rm.model, completion_batch(*map(list, zip(*enc, strict=True)), tok.eos_token_id), precision="fp32"
-        )
+        distinct = sequence_scores(rm.model, completion_batch(prompts, replies, tok.pad_token_id), precision="fp32")
+        same = sequence_scores(rm.model, completion_batch(prompts, replies, tok.eos_token_id), precision="fp32")
     torch.testing.assert_close(same, distinct, rtol=0, atol=1e-5)
 
 
@@ -195,7 +198,9 @@ def test_check_reward_models_names_what_is_wrong_with_the_folder(
     (tmp_path / "empty").mkdir()
     with pytest.raises(graders.GraderError, match="holds no adapter"):
         check_reward_models(rm_grader(tmp_path / "empty"))
-    policy = add_lora(load_base_model(str(random_model_dir), torch.device("cpu")), LoraSpec(r=2), seed=0)
+    policy = add_lora(
+        load_base_model(str(random_model_dir), torch.device("cpu")), LoraSpec.model_validate({"r": 2}), seed=0
+    )
     policy.save_pretrained(str(tmp_path / "policy"))
     with pytest.raises(graders.GraderError, match="not the output of a reward_model job"):
         check_reward_models(rm_grader(tmp_path / "policy"))
