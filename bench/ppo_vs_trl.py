@@ -21,6 +21,11 @@ value model, a second LoRA adapter on the shared base: a no-grad forward at roll
 forward + backward in the update. The model FLOPs of each side are printed (``common.FlopTerms``): on both models
 ours does 1.6× TRL's. Results and where the time goes: ``BENCHMARKS.md``, ``bench/README.md``.
 
+``--critic policy_trunk`` runs ours with the value head on the policy's own last hidden state (``critic:
+policy_trunk``, TRL ≤ 0.11's ``AutoModelForCausalLMWithValueHead``): V comes from the no-grad policy pass and the
+policy's training forward, the value loss joins the policy's loss, and the model FLOPs are TRL's (plus a
+hidden → 1 head).
+
 Measured per side, each in its own subprocess, sides alternating (``common.py``): seconds per step, generated tokens
 per second of step time (64 × 32 / seconds per step), peak RSS after the warm-up, seconds per step by phase.
 
@@ -84,9 +89,9 @@ PHASES = [
 ]
 
 
-def model_flops_per_step(shape: ModelShape, mean_prompt: float) -> dict[str, dict[str, float]]:
+def model_flops_per_step(shape: ModelShape, mean_prompt: float, critic: str) -> dict[str, dict[str, float]]:
     """Model FLOPs of one step by phase, per side (``common.FlopTerms``). The critic reads the last hidden state: its
-    passes have no LM head."""
+    passes have no LM head. On the policy's trunk it has no passes (its hidden → 1 head is not counted)."""
     f = flop_terms(shape, mean_prompt)
     trl = {
         "generation": f.generation(mean_prompt),
@@ -95,18 +100,20 @@ def model_flops_per_step(shape: ModelShape, mean_prompt: float) -> dict[str, dic
         "policy_fwd": f.forward(adapter=True),
         "backward": f.backward(),
     }
-    critic = {
+    value = {
         "values": f.forward(adapter=True, lm_head=False),
         "critic_fwd": f.forward(adapter=True, lm_head=False),
         "critic_bwd": f.backward(lm_head=False),
     }
-    return {"ours": trl | critic, "trl": trl}
+    if critic == "policy_trunk":
+        value = dict.fromkeys(value, 0.0)
+    return {"ours": trl | value, "trl": trl}
 
 
 # -- workers: one side's run in its own process -----------------------------------------------------------------
 
 
-def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int) -> Any:
+def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int, critic: str) -> Any:
     """The benchmark run as our job spec (a :class:`trainer.config.JobSpec`)."""
     from trainer.config import parse_spec
 
@@ -139,6 +146,7 @@ def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int) 
                         "checkpoint_interval": 10**6,
                         "rollouts_logged": 0,
                         "precision": precision,
+                        "critic": critic,
                     },
                     "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": "all-linear"},
                 },
@@ -147,7 +155,7 @@ def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int) 
     )
 
 
-def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup: int) -> dict[str, Any]:
+def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup: int, critic: str) -> dict[str, Any]:
     import torch
 
     import trainer.rl as rl
@@ -186,11 +194,11 @@ def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup:
     Critic.values = phases.wrap(Critic.values, critic_phase)  # type: ignore[method-assign]
     rl.RLTrainer._gae_advantages = phases.wrap(rl.RLTrainer._gae_advantages, "advantages")  # type: ignore[method-assign]
     patch_backward(phases, backward_phase)
-    spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps)
+    spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps, critic=critic)
     with tempfile.TemporaryDirectory() as out:
         t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device("cpu"))
-        assert t.critic is not None and t.critic.shared, (
-            "the benchmark's critic is a second adapter on the policy's base"
+        assert t.critic is not None and t.critic.shared and t.critic.trunk == (critic == "policy_trunk"), (
+            "the benchmark's critic is a second adapter on the policy's base or a head on its trunk"
         )
         # Wraps the scheduler's own step-tracking wrapper, so the scheduler still sees every optimiser step.
         t.optimizer.step = phases.wrap(t.optimizer.step, "optimizer")  # type: ignore[method-assign]
@@ -301,7 +309,7 @@ def worker_main(a: argparse.Namespace) -> None:
     torch.manual_seed(SEED)
     model_dir, prompts = Path(a.model_dir), Path(a.prompts)
     if a.worker == "ours":
-        res = run_ours(model_dir, prompts, a.precision, a.steps, a.warmup)
+        res = run_ours(model_dir, prompts, a.precision, a.steps, a.warmup, a.critic)
     else:
         res = run_trl(model_dir, prompts, a.precision, a.steps, a.warmup, a.trl_gradient_checkpointing)
     res["threads"] = torch.get_num_threads()
@@ -313,7 +321,7 @@ def worker_main(a: argparse.Namespace) -> None:
 
 def run_side(side: str, model_dir: Path, prompts: Path, a: argparse.Namespace) -> dict[str, Any]:
     argv = ["--model-dir", str(model_dir), "--prompts", str(prompts), "--precision", a.precision]
-    argv += ["--steps", str(a.steps), "--warmup", str(a.warmup)]
+    argv += ["--steps", str(a.steps), "--warmup", str(a.warmup), "--critic", a.critic]
     if a.trl_gradient_checkpointing:
         argv.append("--trl-gradient-checkpointing")
     if a.threads:
@@ -329,6 +337,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps at the start of every run")
     p.add_argument("--rounds", type=int, default=2, help="ours, TRL alternations")
     p.add_argument("--sides", default="ours,trl", help="comma-separated subset of ours,trl")
+    p.add_argument(
+        "--critic",
+        choices=["adapter", "policy_trunk"],
+        default="adapter",
+        help="ours: the value model a second adapter (default) or a head on the policy's trunk",
+    )
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="models and prompts (shared with GRPO's)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off: no recomputation")
     p.add_argument("--threads", type=int, help="torch threads on both sides (default: torch's, one per core)")
@@ -347,12 +361,12 @@ def main() -> None:
     shape = MODELS[a.model]
     model_dir, prompts = build_assets(a.workdir, a.model)
     mean_prompt = statistics.fmean(prompt_lengths(prompts))
-    flops = model_flops_per_step(shape, mean_prompt)
+    flops = model_flops_per_step(shape, mean_prompt, a.critic)
     total = {side: sum(f.values()) for side, f in flops.items()}
     print(
         f"model {a.model}: Qwen2 hidden {shape.hidden}, {shape.layers} layers, vocab {VOCAB}; precision {a.precision};"
         f" {ROWS} rows × {COMPLETION} new tokens, mean prompt {mean_prompt:.1f} tokens; threads "
-        f"{a.threads or torch.get_num_threads()}; TRL {trl.__version__} RLOOTrainer"
+        f"{a.threads or torch.get_num_threads()}; TRL {trl.__version__} RLOOTrainer; our critic {a.critic}"
     )
     print(
         f"model FLOPs/step: ours (PPO) {total['ours'] / 1e9:.1f} G, TRL (RLOO) {total['trl'] / 1e9:.1f} G "

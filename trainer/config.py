@@ -180,6 +180,11 @@ class PPOHyperparameters(RLHyperparameters):
         None, description="base model of a separate critic; None: a second adapter on the policy's base"
     )
     value_learning_rate: float | None = Field(None, gt=0, le=1.0, description="critic's lr; None: learning_rate")
+    critic: Literal["adapter", "policy_trunk"] = Field(
+        "adapter",
+        description="adapter: the value model is its own LoRA adapter (or value_model); policy_trunk: a value head "
+        "on the policy's last hidden state (TRL ≤ 0.11's shared model), the value loss training the policy's LoRA too",
+    )
 
 
 class RewardModelHyperparameters(Hyperparameters):
@@ -376,6 +381,11 @@ def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
             param=f"{where}.mini_batches",
         )
     assert hp.loss_aggregation in AGGREGATIONS and hp.kl_estimator in KL_ESTIMATORS
+    if isinstance(hp, PPOHyperparameters) and hp.critic == "policy_trunk" and hp.value_model is not None:
+        raise SpecError(
+            "critic 'policy_trunk' puts the value head on the policy's own hidden states: it takes no value_model",
+            param=f"{where}.critic",
+        )
     overlong = hp.overlong_buffer if isinstance(hp, DAPOHyperparameters) else None
     if overlong is not None and overlong > hp.max_completion_tokens:
         raise SpecError("overlong_buffer must not exceed max_completion_tokens", param=f"{where}.overlong_buffer")

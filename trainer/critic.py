@@ -5,6 +5,12 @@ By default the critic shares the policy's frozen base weights: it is a second Lo
 hold one copy of the base in memory. With ``value_model`` set it is a separate base model with its own adapter
 (its tokenizer's vocabulary must be the policy's: the critic reads the same token ids).
 
+With ``critic: policy_trunk`` the head reads the policy's own last hidden states (TRL ≤ 0.11's
+``AutoModelForCausalLMWithValueHead``; Ziegler et al. 2019's shared trunk): no second adapter and no pass of its own.
+The policy's forwards yield V (:meth:`Critic.head_values` on ``completion_logprobs(..., with_hidden=True)``), and the
+value loss joins the policy's loss, so its gradient also reaches the policy's LoRA. The critic's own parameters are
+the head alone.
+
 V is read where the policy's logits are: the hidden state at position ``t − 1`` values the state before completion
 token ``t`` is chosen (TRL's ``full_value[:, context_length − 1 : −1]``). The head is zero-initialised, so V starts
 at 0 (no baseline) and no random value noise enters the first advantages.
@@ -38,9 +44,14 @@ class Critic:
         lora: LoraSpec,
         seed: int,
         separate_base: torch.nn.Module | None = None,
+        trunk: bool = False,
     ) -> None:
+        assert not (trunk and separate_base is not None), "a trunk head reads the policy (config._check_rl_method)"
         self.shared = separate_base is None
-        if separate_base is None:
+        self.trunk = trunk  # the head on the policy's hidden states: no adapter of its own
+        if trunk:
+            self.model: PeftModel = policy
+        elif separate_base is None:
             torch.manual_seed(seed + 1)  # the critic's LoRA A differs from the policy's
             cfg = LoraConfig(
                 r=lora.r,
@@ -50,7 +61,7 @@ class Critic:
                 task_type="CAUSAL_LM",
             )
             policy.add_adapter(CRITIC_ADAPTER, cfg)
-            self.model: PeftModel = policy
+            self.model = policy
             with self._active():  # add_adapter leaves the new adapter inactive and frozen: train it
                 pass
         else:
@@ -65,7 +76,9 @@ class Critic:
     # -- parameters -----------------------------------------------------------------------------------------------
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        """The critic's trainable parameters: its LoRA weights and the head."""
+        """The critic's trainable parameters: its LoRA weights and the head (the head alone on the policy's trunk)."""
+        if self.trunk:
+            return list(self.head.parameters())
         lora = [
             p
             for n, p in self.model.named_parameters()
@@ -117,8 +130,14 @@ class Critic:
             for p in trainable:
                 p.requires_grad_(True)
 
+    def head_values(self, hidden: Tensor) -> Tensor:
+        """V from the hidden states that predict each completion token: [B, C, H] → [B, C] fp32."""
+        return self.head(hidden.float()).squeeze(-1)
+
     def values(self, batch: Rollout, *, precision: Precision) -> Tensor:
-        """V for every completion position, [B, C] fp32; differentiable when grad is enabled."""
+        """V for every completion position from the critic's own forward, [B, C] fp32; differentiable when grad is
+        enabled. On the policy's trunk V comes with the policy's forwards instead (:meth:`head_values`)."""
+        assert not self.trunk, "a trunk critic has no forward of its own"
         ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
         mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
         c = batch.completion_ids.shape[1]
@@ -129,5 +148,4 @@ class Critic:
                 position_ids=position_ids(mask),
                 use_cache=False,
             ).last_hidden_state
-        h = hidden[:, -c - 1 : -1].float()  # position t − 1 values the state before completion token t
-        return self.head(h).squeeze(-1)
+        return self.head_values(hidden[:, -c - 1 : -1])  # position t − 1 values the state before token t

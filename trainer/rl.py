@@ -7,7 +7,8 @@ method's parts; the math lives in ``trainer.core_algos``.
 
 PPO (a recipe with a critic) differs in three places only: the value model's V is computed with the rollout, the
 advantages are GAE's over per-token rewards (score on the last token, −β·KL on every token, β fixed or adaptive),
-and each micro-batch adds the clipped value loss (``trainer.critic``).
+and each micro-batch adds the clipped value loss (``trainer.critic``). With ``critic: policy_trunk`` the value head
+reads the policy's own hidden states: V comes with the policy's log-prob passes and the value loss joins its loss.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ class RLTrainer:
             self.model.get_base_model().set_attn_implementation("eager")
         self.params = trainable_parameters(self.model)  # the policy's LoRA weights
         self.critic = self._make_critic() if self.recipe.critic else None
+        self.trunk = self.critic is not None and self.critic.trunk  # V from the policy's own forwards
         self.critic_params = self.critic.parameters() if self.critic is not None else []
         groups: list[dict[str, Any]] = [{"params": self.params, "lr": hp.effective_learning_rate}]
         if self.critic is not None:
@@ -209,6 +211,8 @@ class RLTrainer:
         hp = self.hp
         assert isinstance(hp, PPOHyperparameters)
         where = f"method.{self.spec.method.type}.hyperparameters.value_model"
+        if hp.critic == "policy_trunk":  # config refuses it with value_model
+            where = f"method.{self.spec.method.type}.hyperparameters.critic"
         separate = None
         if hp.value_model is not None:
             try:
@@ -227,7 +231,13 @@ class RLTrainer:
                 if self.device.type == "cpu":
                     separate.set_attn_implementation("eager")
         try:
-            return Critic(self.model, lora=self.spec.method.lora, seed=self.spec.seed, separate_base=separate)
+            return Critic(
+                self.model,
+                lora=self.spec.method.lora,
+                seed=self.spec.seed,
+                separate_base=separate,
+                trunk=hp.critic == "policy_trunk",
+            )
         except ModelError as err:
             raise SpecError(str(err), param=where) from None
 
@@ -318,8 +328,22 @@ class RLTrainer:
             else:
                 lp, _ = completion_logprobs(self.model, part, temperature=self.hp.temperature, precision=self.precision)
             out.append(lp)
+        return _cat_padded(out, ro.completion_ids.shape[1])
+
+    @torch.no_grad()
+    def _logprobs_and_values(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """A trunk critic's rollout pass: the policy's log-probs and the head's V from the same forward, [N, C] each."""
+        assert self.critic is not None and self.trunk
+        logps, values = [], []
+        for sl in micro_slices(len(ro), self.hp.micro_batch_size):
+            part = ro.select(torch.arange(sl.start, sl.stop))
+            lp, _, hidden = completion_logprobs(
+                self.model, part, temperature=self.hp.temperature, precision=self.precision, with_hidden=True
+            )
+            logps.append(lp)
+            values.append(self.critic.head_values(hidden))
         width = ro.completion_ids.shape[1]
-        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in out])
+        return _cat_padded(logps, width), _cat_padded(values, width)
 
     def _collect(self) -> _Batch:
         """Sample, grade and shape rewards; DAPO's dynamic sampling keeps drawing until the batch is full."""
@@ -403,12 +427,15 @@ class RLTrainer:
             generation_s=gen_s,
         )
         kl_in_reward = self.recipe.kl_placement == "reward" and hp.beta > 0
-        if not self.on_policy or kl_in_reward:
+        if self.trunk:  # the policy's pass yields V_old too: no critic pass
+            batch.old_logp, batch.values = self._logprobs_and_values(rollout)
+        elif not self.on_policy or kl_in_reward:
             batch.old_logp = self._logprobs(rollout, reference=False)
         if hp.beta > 0:
             batch.ref_logp = self._logprobs(rollout, reference=True)
-        if self.critic is not None:
-            batch.values = self._values(rollout)
+        if self.critic is not None:  # PPO: the KL enters the per-token rewards (_gae_advantages)
+            if not self.trunk:
+                batch.values = self._values(rollout)
         elif kl_in_reward:  # RLOO, REINFORCE: −β·Σ_t KL_t joins the sequence's reward
             assert batch.old_logp is not None and batch.ref_logp is not None
             seq_kl = masked_sum(self.kl(batch.old_logp, batch.ref_logp), rollout.completion_mask, dim=-1)
@@ -419,12 +446,10 @@ class RLTrainer:
     def _values(self, ro: Rollout) -> torch.Tensor:
         """The critic's V of the whole rollout, micro-batch by micro-batch: [N, C]."""
         assert self.critic is not None
-        width = ro.completion_ids.shape[1]
         out = []
         for sl in micro_slices(len(ro), self.hp.micro_batch_size):
-            v = self.critic.values(ro.select(torch.arange(sl.start, sl.stop)), precision=self.precision)
-            out.append(torch.nn.functional.pad(v, (0, width - v.shape[1])))
-        return torch.cat(out)
+            out.append(self.critic.values(ro.select(torch.arange(sl.start, sl.stop)), precision=self.precision))
+        return _cat_padded(out, ro.completion_ids.shape[1])
 
     def _gae_advantages(self, batch: _Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """PPO: per-token rewards (score on the last token, −β·KL on each) → GAE → advantages [N, C] and returns."""
@@ -593,13 +618,24 @@ class RLTrainer:
                     part = ro.select(idx.to(ro.prompt_ids.device))
                     pmask = mask[idx]
                     self.model.train(self.spec.method.lora.dropout > 0)
-                    logp, ent = completion_logprobs(
-                        self.model,
-                        part,
-                        temperature=hp.temperature,
-                        precision=self.precision,
-                        with_entropy=it == 0,
-                    )
+                    hidden = None
+                    if self.trunk:
+                        logp, ent, hidden = completion_logprobs(
+                            self.model,
+                            part,
+                            temperature=hp.temperature,
+                            precision=self.precision,
+                            with_entropy=it == 0,
+                            with_hidden=True,
+                        )
+                    else:
+                        logp, ent = completion_logprobs(
+                            self.model,
+                            part,
+                            temperature=hp.temperature,
+                            precision=self.precision,
+                            with_entropy=it == 0,
+                        )
                     self.model.eval()
                     old = logp.detach() if self.on_policy else batch.old_logp[idx]  # type: ignore[index]
                     out = self.policy_loss(logp, old, adv[idx], pmask, self.clip)
@@ -614,18 +650,22 @@ class RLTrainer:
                         if it == 0:
                             sums["kl"] += float(masked_sum(kl_tok.detach(), pmask))
                             sums["kl_tok"] += float(pmask.sum())
-                    loss.backward()
-                    if self.critic is not None:  # a separate graph: no parameter is shared with the policy's
+                    if self.critic is None:
+                        loss.backward()
+                    else:
+                        assert isinstance(hp, PPOHyperparameters)
                         assert batch.values is not None and batch.returns is not None
+                        if hidden is not None:  # the policy's trunk: its V joins this loss (TRL's shared model)
+                            v = self.critic.head_values(hidden)
+                        else:  # the critic's own graph: the policy's is backpropagated (and freed) first
+                            loss.backward()
+                            loss = loss.detach()
+                            v = self.critic.values(part, precision=self.precision)
                         vl = value_loss_clipped(
-                            self.critic.values(part, precision=self.precision),
-                            batch.values[idx],
-                            batch.returns[idx],
-                            pmask,
-                            clip=hp.cliprange_value,  # type: ignore[attr-defined]
+                            v, batch.values[idx], batch.returns[idx], pmask, clip=hp.cliprange_value
                         )
                         vf_loss = self.aggregate(vl.per_token, pmask, scale)
-                        (hp.vf_coef * vf_loss).backward()  # type: ignore[attr-defined]
+                        (loss + hp.vf_coef * vf_loss).backward()
                         sums["vf"] += float(vf_loss.detach())
                         sums["vf_clip"] += float(vl.clipped.sum())
                     sums["pg"] += float(pg_loss.detach())
@@ -709,6 +749,11 @@ class RLTrainer:
         for name, v in res.sub_means.items():
             out[M.reward_of(name, validation=True)] = v
         return out
+
+
+def _cat_padded(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Micro-batch results [b_i, c_i] right-padded with 0 to ``width`` and stacked: [Σ b_i, width]."""
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts])
 
 
 def _mean(x: torch.Tensor) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -197,6 +198,7 @@ def generate(
     return Rollout(prompt_ids, prompt_mask, out, cmask, lengths, truncated)
 
 
+@overload
 def completion_logprobs(
     model: torch.nn.Module,
     batch: Rollout,
@@ -204,21 +206,50 @@ def completion_logprobs(
     temperature: float,
     precision: Precision,
     with_entropy: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+    with_hidden: Literal[False] = False,
+) -> tuple[Tensor, Tensor | None]: ...
+
+
+@overload
+def completion_logprobs(
+    model: torch.nn.Module,
+    batch: Rollout,
+    *,
+    temperature: float,
+    precision: Precision,
+    with_entropy: bool = False,
+    with_hidden: Literal[True],
+) -> tuple[Tensor, Tensor | None, Tensor]: ...
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    batch: Rollout,
+    *,
+    temperature: float,
+    precision: Precision,
+    with_entropy: bool = False,
+    with_hidden: bool = False,
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """log π(o_t | q, o_<t) / T-scaled, fp32, for every completion position: [B, C], and the entropy [B, C]
-    (no gradient) when asked. Differentiable when called with grad enabled."""
+    (no gradient) when asked. Differentiable when called with grad enabled.
+
+    ``with_hidden`` also returns the last hidden state that predicts each completion token, [B, C, H] in the
+    forward's dtype: position ``t − 1``, the state before token ``t`` is chosen (what a value head on the policy's
+    trunk reads; ``trainer.critic``)."""
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     c = batch.completion_ids.shape[1]
     with autocast(precision, ids.device):
-        logits = model(
+        out = model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids(mask),
             use_cache=False,
             logits_to_keep=c + 1,
-        ).logits
-    logits = logits[:, :-1].float()  # logits[:, t] predicts token t + 1: the last one predicts nothing we kept
+            output_hidden_states=with_hidden,
+        )
+    logits = out.logits[:, :-1].float()  # logits[:, t] predicts token t + 1: the last one predicts nothing we kept
     if temperature != 1.0:
         logits = logits / temperature
     logp = selective_log_softmax(logits, batch.completion_ids)
@@ -226,6 +257,8 @@ def completion_logprobs(
     if with_entropy:
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach())
+    if with_hidden:
+        return logp, entropy, out.hidden_states[-1][:, -c - 1 : -1]  # the final norm's output, as lm_head reads
     return logp, entropy
 
 

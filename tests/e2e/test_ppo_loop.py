@@ -187,3 +187,73 @@ def test_critic_fits_per_token_targets_through_its_adapter_and_head(
     assert all(torch.equal(a, b) for a, b in zip(policy, t.params, strict=True))
     lora_grads = [p.grad for p in t.critic_params[:-2]]
     assert any(g is not None and g.abs().sum() > 0 for g in lora_grads)  # not the head alone
+
+
+def test_ppo_on_the_policy_trunk_has_one_adapter_and_trains_policy_and_head(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=2, critic="policy_trunk"))
+    t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    assert t.critic is not None and t.critic.trunk
+    assert set(t.model.peft_config) == {"default"}  # no critic adapter: the head reads the policy's hidden states
+    assert t.critic_params == list(t.critic.head.parameters())
+    policy_before = [p.detach().clone() for p in t.params]
+    t.run()
+
+    last = read_metrics(tmp_path)[-1]
+    for key in (M.LOSS_VALUE, M.VALUE_MEAN, M.RETURNS_MEAN, M.EXPLAINED_VARIANCE, M.VALUE_CLIP_FRAC, M.KL_MEAN):
+        assert key in last, key
+    assert last[M.LOSS_VALUE] > 0
+    assert last[M.VALUE_MEAN] != 0  # the zero-initialised head moved after step 1: step 2's V_old is not 0
+    assert t.critic.head.weight.abs().sum() > 0
+    assert any(not torch.equal(a, b) for a, b in zip(policy_before, t.params, strict=True))
+
+
+def test_trunk_value_loss_backpropagates_into_the_policy_lora(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """The shared trunk: V's gradient reaches the policy's LoRA as well as the head (and matches the critic's
+    separate forward, which reads the same hidden state)."""
+    from trainer.rollout import completion_logprobs
+
+    spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1, critic="policy_trunk"))
+    t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
+    assert t.critic is not None
+    torch.nn.init.normal_(t.critic.head.weight)
+    batch = t._collect()
+    ro = batch.rollout
+    assert batch.values is not None and batch.values.abs().sum() > 0  # V_old from the policy's no-grad pass
+    assert torch.equal(batch.rewards, batch.grader_rewards)  # PPO's KL goes into the per-token rewards, not here
+    _, _, hidden = completion_logprobs(t.model, ro, temperature=1.0, precision="fp32", with_hidden=True)
+    v = t.critic.head_values(hidden)
+    assert v.shape == ro.completion_ids.shape
+    (v * ro.completion_mask).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in t.critic_params)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in t.params)
+
+
+def test_ppo_on_the_policy_trunk_resumes_exactly(random_model_dir: Path, arithmetic_data: Path, tmp_path: Path) -> None:
+    raw = ppo_spec(random_model_dir, arithmetic_data, max_steps=4, mini_batches=2, critic="policy_trunk")
+    full = tmp_path / "full"
+    train(parse_spec(raw), output_dir=full, callback=JsonlFiles(full))
+    part = tmp_path / "part"
+    first = train(parse_spec(raw), output_dir=part, callback=Callbacks(JsonlFiles(part), StopAfter(3)))
+    assert first.stopped
+    train(parse_spec(raw), output_dir=part, callback=JsonlFiles(part, resume_step=3), resume=True)
+
+    assert deterministic(read_metrics(part)) == deterministic(read_metrics(full))
+    a = torch.load(full / "checkpoints/step-000004/trainer_state.pt", weights_only=False)
+    b = torch.load(part / "checkpoints/step-000004/trainer_state.pt", weights_only=False)
+    for name in a["trainable"]:
+        assert torch.equal(a["trainable"][name], b["trainable"][name]), name
+    assert a["critic"]["lora"] == {} and set(a["critic"]["head"]) == {"weight", "bias"}
+    for name, tensor in a["critic"]["head"].items():
+        assert tensor.abs().sum() > 0 and torch.equal(tensor, b["critic"]["head"][name]), name
+
+
+def test_ppo_refuses_a_trunk_critic_with_a_value_model(random_model_dir: Path, arithmetic_data: Path) -> None:
+    raw = ppo_spec(random_model_dir, arithmetic_data, critic="policy_trunk", value_model=str(random_model_dir))
+    with pytest.raises(SpecError) as err:
+        parse_spec(raw)
+    assert err.value.param == "method.ppo.hyperparameters.critic"
+    assert "value_model" in str(err.value)
