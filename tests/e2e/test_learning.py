@@ -105,3 +105,95 @@ def test_ppo_with_a_value_model_raises_heldout_greedy_accuracy(
     assert final - base >= 0.15, f"ppo: {base:.3f} → {final:.3f}"
     value_loss = [r[M.LOSS_VALUE] for r in rows[1:]]
     assert sum(value_loss[-10:]) / 10 < sum(value_loss[:3]) / 3  # the critic fits the returns better than at V ≡ 0
+
+
+def _greedy_accuracy(model_dir: Path, adapter: Path | None, validation: Path) -> float:
+    from trainer.data import load_prompts
+    from trainer.evaluate import evaluate
+    from trainer.graders import parse_grader
+    from trainer.models import default_device, load_adapter, load_base_model, load_tokenizer
+    from trainer.rollout import encode_prompts
+
+    grader = parse_grader(ACCURACY)
+    items = load_prompts(validation, grader=grader)
+    tok = load_tokenizer(str(model_dir))
+    net = load_base_model(str(model_dir), default_device())
+    if adapter is not None:
+        net = load_adapter(net, adapter)
+    prompts = encode_prompts(tok, items, max_prompt_tokens=64)
+    return evaluate(net, tok, prompts, items, grader, max_new_tokens=6, precision="fp32").mean_reward
+
+
+@pytest.mark.slow
+def test_ppo_against_a_reward_model_trained_on_preferences_raises_accuracy(
+    tiny_arith_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """RLHF end to end: preference pairs → a Bradley–Terry reward model → PPO whose only reward is that model's
+    normalised score. The grader never sees the answers; held-out accuracy is measured afterwards."""
+    rm_dir = tmp_path / "rm"
+    rm_spec = parse_spec(
+        {
+            "model": str(tiny_arith_dir),
+            "training_file": str(arithmetic_data / "preferences.jsonl"),
+            "validation_file": str(arithmetic_data / "validation_preferences.jsonl"),
+            "seed": 0,
+            "method": {
+                "type": "reward_model",
+                "reward_model": {
+                    "hyperparameters": {
+                        "batch_size": 32,
+                        "n_epochs": 4,
+                        "learning_rate": 1e-3,
+                        "lr_scheduler": "cosine",
+                        "warmup_steps": 10,
+                        "checkpoint_interval": 1000,
+                    }
+                },
+            },
+        }
+    )
+    rm = train(rm_spec, output_dir=rm_dir, callback=JsonlFiles(rm_dir))
+    rm_accuracy = rm.final_metrics[M.validation(M.PREFERENCE_ACCURACY)]
+
+    ppo_dir = tmp_path / "ppo"
+    grader = {"type": "reward_model", "name": "rm", "model": str(rm_dir), "normalize": True}
+    spec = parse_spec(
+        {
+            "model": str(tiny_arith_dir),
+            "training_file": str(arithmetic_data / "train.jsonl"),
+            "seed": 0,
+            "method": {
+                "type": "ppo",
+                "ppo": {
+                    "grader": grader,
+                    "hyperparameters": {
+                        "max_steps": 40,
+                        "batch_size": 16,
+                        "group_size": 4,
+                        "iterations_per_batch": 2,
+                        "learning_rate": 3e-4,
+                        "value_learning_rate": 1e-3,
+                        "max_completion_tokens": 6,
+                        "checkpoint_interval": 40,
+                        "rollouts_logged": 0,
+                    },
+                    "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
+                },
+            },
+        }
+    )
+    result = train(spec, output_dir=ppo_dir, callback=JsonlFiles(ppo_dir))
+    assert result.adapter_dir is not None
+    validation = arithmetic_data / "validation.jsonl"
+    base = _greedy_accuracy(tiny_arith_dir, None, validation)
+    final = _greedy_accuracy(tiny_arith_dir, result.adapter_dir, validation)
+    rows = [json.loads(ln) for ln in (ppo_dir / "metrics.jsonl").read_text().splitlines()]
+    rm_reward = [r[M.REWARD_MEAN] for r in rows]
+    print(
+        f"rlhf: reward model held-out pairwise accuracy {rm_accuracy:.3f}; PPO reward-model score "
+        f"{sum(rm_reward[:5]) / 5:.2f} → {sum(rm_reward[-5:]) / 5:.2f}; "
+        f"held-out greedy accuracy {base:.3f} → {final:.3f}"
+    )
+    # The reward model is right on ~0.8 of held-out pairs, so PPO climbs an imperfect proxy: measured 0.390 → 0.515.
+    # 200 problems give a standard error of ~0.035 per accuracy; 0.08 is well outside noise.
+    assert final - base >= 0.08, f"rlhf: {base:.3f} → {final:.3f}"
