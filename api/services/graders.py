@@ -41,7 +41,10 @@ def run(*, grader: dict[str, Any], model_sample: str, item: dict[str, Any] | Non
     """Score ``model_sample`` against ``item`` as a training step would."""
     parsed = _parse(grader)
     start = time.perf_counter()
-    result = graders.grade(parsed, output_text=model_sample, item=item or {})
+    try:
+        result = graders.grade(parsed, output_text=model_sample, item=item or {})
+    except graders.GraderError as err:  # a reward_model grader needs its model: it runs in training jobs only
+        raise InvalidRequest(str(err), param="grader", code="invalid_grader") from None
     elapsed = time.perf_counter() - start
     return GraderRunResponse(
         reward=result.score,

@@ -130,3 +130,9 @@ class TestRewardModelGrader:
         b_file = file_id(api_b, [{"prompt": "What is 1 + 1?", "answer": "2"}])
         r = api_b.post("/v1/fine_tuning/jobs", json=job_body(b_file, method=self.ppo(self.rm_grader(rm_job["id"]))))
         assert_error(r, 400, param="method.ppo.grader.model", code="invalid_reward_model")
+
+
+def test_a_reward_model_grader_cannot_be_dry_run_and_says_so(api: httpx.Client) -> None:
+    grader = {"type": "reward_model", "name": "rm", "model": "ftjob-abc"}
+    r = api.post("/v1/fine_tuning/alpha/graders/run", json={"grader": grader, "model_sample": "42"})
+    assert_error(r, 400, param="grader", code="invalid_grader")
