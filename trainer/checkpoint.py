@@ -56,6 +56,41 @@ def set_rng_state(state: dict[str, Any], sampling: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def training_state(
+    step: int, *, model: torch.nn.Module, optimizer: Any, scheduler: Any, sampler: Any, generator: torch.Generator
+) -> dict[str, Any]:
+    """What every loop saves to resume exactly: step, trainable weights, optimiser, scheduler, data position, RNG."""
+    return {
+        "step": step,
+        "trainable": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "sampler": sampler.state_dict(),
+        "rng": rng_state(generator),
+    }
+
+
+def restore_training_state(
+    state: dict[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    sampler: Any,
+    generator: torch.Generator,
+) -> int:
+    """Load what :func:`training_state` saved; returns its step."""
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, t in state["trainable"].items():
+            named[n].copy_(t)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    set_rng_state(state["rng"], generator)
+    return int(state["step"])
+
+
 def save_adapter(model: PeftModel, out: Path) -> Path:
     """The policy's adapter only: PPO's critic adapter on the same base is trainer state, not part of the result."""
     out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ Without packing, ``group_by_length`` draws batches of conversations of similar l
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ from trainer.models import (
     trainable_parameters,
 )
 from trainer.rollout import micro_slices, position_ids
-from trainer.train import RunResult, seed_everything
+from trainer.train import RunResult, run_steps, seed_everything
 
 LENGTH_GROUP_BATCHES = 16  # group_by_length sorts mega-batches of this many batches by length (HF's default: 50)
 
@@ -162,26 +161,20 @@ class SupervisedTrainer:
 
     # -- state -------------------------------------------------------------------------------------------------
 
-    def _state(self, step: int) -> dict[str, Any]:
+    def _parts(self) -> dict[str, Any]:
         return {
-            "step": step,
-            "trainable": {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "rng": ckpt.rng_state(self.generator),
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "sampler": self.sampler,
+            "generator": self.generator,
         }
 
+    def _state(self, step: int) -> dict[str, Any]:
+        return ckpt.training_state(step, **self._parts())
+
     def _load_state(self, state: dict[str, Any]) -> int:
-        named = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for n, t in state["trainable"].items():
-                named[n].copy_(t)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        ckpt.set_rng_state(state["rng"], self.generator)
-        return int(state["step"])
+        return ckpt.restore_training_state(state, **self._parts())
 
     def _save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
         c = ckpt.save_checkpoint(
@@ -198,41 +191,12 @@ class SupervisedTrainer:
     # -- the loop ----------------------------------------------------------------------------------------------
 
     def run(self, *, resume: bool = False) -> RunResult:
-        hp, cb = self.hp, self.cb
-        start = 0
-        latest = ckpt.latest_checkpoint(self.out) if resume else None
-        if latest is not None:
-            start = self._load_state(ckpt.load_state(latest))
-            cb.on_event("info", f"resumed from checkpoint at step {start}", {"step": start})
-        else:
-            cb.on_event(
-                "info",
-                f"training {self.spec.method.type} on {self.spec.model} for {self.total_steps} steps",
-                {"total_steps": self.total_steps, "precision": self.precision},
-            )
-        last_metrics: dict[str, float] = {}
-        if start == 0 and self.val_examples and hp.eval_interval:
-            cb.on_metrics(0, self._validation_metrics())  # the base model's point on the validation curve
-        last_saved = start
-        step = start
-        for step in range(start + 1, self.total_steps + 1):
-            if cb.should_stop():
-                step -= 1
-                if last_saved != step:
-                    self._save(step, last_metrics)
-                cb.on_event("info", f"stopped at step {step}", {"step": step})
-                return RunResult(step, self.total_steps, True, None, last_metrics)
-            last_metrics = self._step(step)
-            if step % hp.checkpoint_interval == 0 or step == self.total_steps:
-                self._save(step, last_metrics)
-                last_saved = step
-        adapter = self.out / "adapter"
-        shutil.rmtree(adapter, ignore_errors=True)
-        final = ckpt.latest_checkpoint(self.out)
-        assert final is not None and final.step == self.total_steps
-        shutil.copytree(final.adapter_dir, adapter)
-        cb.on_event("info", "training finished", {"step": step})
-        return RunResult(self.total_steps, self.total_steps, False, adapter, last_metrics)
+        return run_steps(
+            self,
+            resume=resume,
+            validate_first=bool(self.val_examples and self.hp.eval_interval),
+            checkpoint_interval=self.hp.checkpoint_interval,
+        )
 
     def _rows(self, examples: list[EncodedExample]) -> list[list[EncodedExample]]:
         if not self.hp.packing:
