@@ -229,7 +229,9 @@ class RewardModel:
         except (OSError, ValueError) as err:
             raise ModelError(f"cannot load model {self.info.base_model!r} with a score head: {err}") from None
         base.config.pad_token_id = self.tokenizer.pad_token_id
-        self.model = PeftModel.from_pretrained(base, str(self.adapter_dir)).to(device).eval()
+        # Scoring only: the LoRA weights are merged into the base (W + s·BA), so a forward is the plain model's,
+        # without the adapter's extra matmuls and scaling (the same function: test_reward_model).
+        self.model = PeftModel.from_pretrained(base, str(self.adapter_dir)).merge_and_unload().to(device).eval()
         context = getattr(base.config, "max_position_embeddings", None) or self.info.max_length
         self.max_length = min(self.info.max_length, context)
 

@@ -287,7 +287,14 @@ class RLTrainer:
 
     # -- rollout -----------------------------------------------------------------------------------------------
 
-    def _sample_groups(self) -> tuple[Rollout, list[PromptItem], float]:
+    @property
+    def _sampling_logprobs_exact(self) -> bool:
+        """Whether the sampler's own log-probs are the policy's (up to float rounding): the policy samples itself in
+        fp32. Then they are the rollout's old log-probs and the no-grad policy pass is skipped; a bf16 sampler copy
+        or bf16 autocast would differ by bf16 rounding, and the pass is run."""
+        return self.merged is None and self.precision == "fp32"
+
+    def _sample_groups(self) -> tuple[Rollout, list[PromptItem], float, torch.Tensor | None]:
         hp = self.hp
         idx = self.sampler.next(hp.batch_size)
         prompts = [self.train_ids[i] for i in idx for _ in range(hp.group_size)]  # rows of a group adjacent
@@ -295,7 +302,7 @@ class RLTrainer:
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         t0 = time.perf_counter()
         sampling_model, precision = self._sampling_model()
-        ro = generate(
+        out = generate(
             sampling_model,
             ids.to(self.device),
             mask.to(self.device),
@@ -307,8 +314,10 @@ class RLTrainer:
             min_new_tokens=hp.min_completion_tokens,
             generator=self.generator,
             precision=precision,
+            with_logprobs=self._sampling_logprobs_exact,
         )
-        return ro, items, time.perf_counter() - t0
+        ro, logp = out if isinstance(out, tuple) else (out, None)
+        return ro, items, time.perf_counter() - t0, logp
 
     @torch.no_grad()
     def _logprobs(self, ro: Rollout, *, reference: bool) -> torch.Tensor:
@@ -346,12 +355,22 @@ class RLTrainer:
         hp, g = self.hp, self.hp.group_size
         dynamic = self.recipe.dynamic_sampling and isinstance(hp, DAPOHyperparameters) and hp.dynamic_sampling
         max_batches = hp.max_sampling_batches if isinstance(hp, DAPOHyperparameters) and dynamic else 1
-        kept: list[tuple[Rollout, list[PromptItem], torch.Tensor, torch.Tensor, dict[str, torch.Tensor], list[str]]]
+        kept: list[
+            tuple[
+                Rollout,
+                list[PromptItem],
+                torch.Tensor,
+                torch.Tensor,
+                dict[str, torch.Tensor],
+                list[str],
+                torch.Tensor | None,
+            ]
+        ]
         kept = []
         n_kept = sampled = zero_std = batches = 0
         gen_s = 0.0
         while batches < max_batches and n_kept < hp.batch_size:
-            ro, items, secs = self._sample_groups()
+            ro, items, secs, sample_logp = self._sample_groups()
             batches, gen_s = batches + 1, gen_s + secs
             ro = ro.to("cpu")
             texts = decode_completions(self.tokenizer, ro)
@@ -378,6 +397,7 @@ class RLTrainer:
                     scores.rewards[rows],
                     {k: v[rows] for k, v in scores.sub.items()},
                     [texts[r] for r in rows.tolist()],
+                    sample_logp[rows.to(sample_logp.device)] if sample_logp is not None else None,
                 )
             )
             n_kept += len(keep)
@@ -423,10 +443,16 @@ class RLTrainer:
             generation_s=gen_s,
         )
         kl_in_reward = self.recipe.kl_placement == "reward" and hp.beta > 0
+        sampled_logp = [k[6] for k in kept]
         if self.trunk:  # the policy's pass yields V_old too: no critic pass
             batch.old_logp, batch.values = self._logprobs_and_values(rollout)
         elif not self.on_policy or kl_in_reward:
-            batch.old_logp = self._logprobs(rollout, reference=False)
+            if all(lp is not None for lp in sampled_logp):  # the sampler is the fp32 policy: its log-probs are exact
+                width = rollout.completion_ids.shape[1]
+                batch.old_logp = _cat_padded([lp for lp in sampled_logp if lp is not None], width).to(self.device)
+                batch.old_logp = batch.old_logp * rollout.completion_mask
+            else:
+                batch.old_logp = self._logprobs(rollout, reference=False)
         if hp.beta > 0:
             batch.ref_logp = self._logprobs(rollout, reference=True)
         if self.critic is not None:  # PPO: the KL enters the per-token rewards (_gae_advantages)

@@ -132,6 +132,42 @@ def _sample_next(logits: Tensor, *, temperature: float, top_p: float, generator:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+@overload
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float,
+    top_p: float = 1.0,
+    min_new_tokens: int = 0,
+    generator: torch.Generator | None = None,
+    precision: Precision = "fp32",
+    with_logprobs: Literal[False] = False,
+) -> Rollout: ...
+
+
+@overload
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float,
+    top_p: float = 1.0,
+    min_new_tokens: int = 0,
+    generator: torch.Generator | None = None,
+    precision: Precision = "fp32",
+    with_logprobs: Literal[True],
+) -> tuple[Rollout, Tensor]: ...
+
+
 @torch.no_grad()  # not inference_mode: the rollout's tensors must be usable in autograd afterwards
 def generate(
     model: torch.nn.Module,
@@ -146,11 +182,17 @@ def generate(
     min_new_tokens: int = 0,
     generator: torch.Generator | None = None,
     precision: Precision = "fp32",
-) -> Rollout:
+    with_logprobs: bool = False,
+) -> Rollout | tuple[Rollout, Tensor]:
     """Sample one completion per prompt row with a KV cache. prompt_ids, prompt_mask [N, P] → :class:`Rollout`.
 
     Rows that emitted EOS keep emitting pad and stop attending; the loop ends when every row is done.
     ``min_new_tokens`` holds EOS off (its logit −inf) for that many tokens.
+
+    ``with_logprobs`` also returns log π(o_t | q, o_<t) of each sampled token, [N, C] fp32 (0 past a row's end):
+    the model's T-scaled log-softmax at sampling time, before EOS is held off and before the top-p cut, i.e. what
+    :func:`completion_logprobs` computes with a full forward. Equal to it up to float rounding (KV-cache decoding vs
+    one pass) when the sampler is the policy itself in fp32; not with a bf16 sampler copy (test_rollout).
     """
     device = prompt_ids.device
     n = prompt_ids.shape[0]
@@ -168,13 +210,19 @@ def generate(
         )
     past, logits = step.past_key_values, step.logits[:, -1]
     pos = position_ids(mask)[:, -1:]
+    logps = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device) if with_logprobs else None
     for t in range(max_new_tokens):
+        policy_logits = logits
         if t < min_new_tokens:
             logits = logits.clone()
             logits[:, eos_id] = float("-inf")
         tok = _sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         out[:, t] = tok
+        if logps is not None:
+            z = policy_logits.float() / (temperature if temperature > 0 else 1.0)
+            lp = z.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1)
+            logps[:, t] = torch.where(done, torch.zeros_like(lp), lp)
         newly = (~done) & (tok == eos_id)
         lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
         done = done | newly
@@ -195,7 +243,10 @@ def generate(
     out = out[:, :width]
     cmask = (torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(-1)).long()
     truncated = ~done
-    return Rollout(prompt_ids, prompt_mask, out, cmask, lengths, truncated)
+    rollout = Rollout(prompt_ids, prompt_mask, out, cmask, lengths, truncated)
+    if logps is not None:
+        return rollout, logps[:, :width]
+    return rollout
 
 
 @overload

@@ -161,7 +161,7 @@ def test_critic_fits_per_token_targets_through_its_adapter_and_head(
     random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
     """Gradient flows through the critic's LoRA and head: on a fixed rollout the value loss against fixed per-token
-    targets falls by over 90% in 60 Adam steps, while the policy's adapter stays untouched."""
+    targets falls by over 95% in 60 Adam steps, while the policy's adapter stays untouched."""
     from trainer.core_algos import masked_mean
 
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1))
@@ -174,7 +174,7 @@ def test_critic_fits_per_token_targets_through_its_adapter_and_head(
     prev = torch.nn.functional.pad(ro.completion_ids[:, :-1], (1, 0), value=-1)
     targets = torch.where(prev < 0, torch.full_like(mask, 0.5), (prev % 2).float() * 2 - 1) * mask
     policy = [p.detach().clone() for p in t.params]
-    opt = torch.optim.Adam(t.critic_params, lr=1e-2)
+    opt = torch.optim.Adam(t.critic_params, lr=3e-3)  # 1e-2 oscillates on some CPUs' rollouts
     losses = []
     for _ in range(60):
         opt.zero_grad()
@@ -182,7 +182,7 @@ def test_critic_fits_per_token_targets_through_its_adapter_and_head(
         loss.backward()
         opt.step()
         losses.append(float(loss))
-    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+    assert losses[-1] < 0.05 * losses[0], (losses[0], losses[-1])
     assert all(p.grad is None or not p.grad.any() for p in t.params)
     assert all(torch.equal(a, b) for a, b in zip(policy, t.params, strict=True))
     lora_grads = [p.grad for p in t.critic_params[:-2]]

@@ -305,3 +305,34 @@ def test_bf16_run_samples_from_the_merged_copy_and_trains(
         expected = (lora.base_layer.weight + lora.get_delta_weight("default")).to(torch.bfloat16)
         assert torch.equal(target.weight, expected)
     assert sampler is t.merged.model
+
+
+@pytest.mark.parametrize("method,hp", [("rloo", {"beta": 0.1}), ("grpo", {"iterations_per_batch": 2})])
+def test_fp32_policy_sampling_itself_gives_the_old_logprobs_without_a_policy_pass(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, hp: Any
+) -> None:
+    """When the fp32 policy samples itself, the sampler's log-probs are the old log-probs (the KL in RLOO's reward,
+    the ratio's denominator over GRPO's second pass): no no-grad policy pass runs, and they equal that pass's."""
+    spec = parse_spec(make_spec(random_model_dir, arithmetic_data, method=method, max_steps=1, **hp))
+    t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    assert t.merged is None and t._sampling_logprobs_exact
+    batch = t._collect()
+    assert batch.old_logp is not None
+    t2 = RLTrainer(spec, output_dir=tmp_path / "b", callback=JsonlFiles(tmp_path / "b"))
+    passes: list[bool] = []
+    real = t2._logprobs
+
+    def counting(ro: Any, *, reference: bool) -> torch.Tensor:
+        passes.append(reference)
+        return real(ro, reference=reference)
+
+    monkeypatch.setattr(t2, "_logprobs", counting)
+    b2 = t2._collect()
+    assert False not in passes  # only the reference's pass (RLOO's KL) runs, no policy pass
+    full = t._logprobs(batch.rollout, reference=False)
+    m = batch.rollout.completion_mask.bool()
+    torch.testing.assert_close(batch.old_logp[m], full[m], rtol=0, atol=1e-5)
+    assert torch.equal(b2.old_logp, batch.old_logp)  # seeded: the same rollout again
+    res = t.run()
+    assert res.adapter_dir is not None
+    assert read_metrics(tmp_path)[-1][M.GRAD_NORM] > 0

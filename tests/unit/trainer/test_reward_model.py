@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from trainer import graders
 from trainer.config import LoraSpec, parse_spec
@@ -234,3 +234,18 @@ def test_rl_spec_with_a_missing_reward_model_fails_before_any_weights_load(tmp_p
     )
     with pytest.raises(graders.GraderError, match="grader 'rm': model 'gone' does not exist"):
         build_trainer(spec, output_dir=tmp_path / "run", callback=BaseCallback())
+
+
+def test_loaded_reward_model_is_merged_and_scores_as_the_adapter(reward_model_dir: Path) -> None:
+    """Scoring merges the LoRA weights into the base: the same scores as the PEFT adapter on the base."""
+    rm = load_reward_model(reward_model_dir, precision="fp32")
+    assert not isinstance(rm.model, PeftModel)
+    base = AutoModelForSequenceClassification.from_pretrained(rm.info.base_model, num_labels=1, dtype=torch.float32)
+    base.config.pad_token_id = rm.tokenizer.pad_token_id
+    unmerged = PeftModel.from_pretrained(base, str(rm.adapter_dir)).eval()
+    batch = batch_of(rm.tokenizer, PROMPTS, REPLIES)
+    with torch.no_grad():
+        merged_scores = sequence_scores(rm.model, batch, precision="fp32")
+        adapter_scores = sequence_scores(unmerged, batch, precision="fp32")
+    torch.testing.assert_close(merged_scores, adapter_scores, rtol=0, atol=1e-5)
+    assert adapter_scores.std() > 1e-4

@@ -425,3 +425,49 @@ def test_concat_repads_prompts_left_and_completions_right(model: LlamaForCausalL
     picked = both.select(torch.tensor([2, 0]))
     assert picked.lengths.tolist() == [3, 1]
     assert picked.prompt_ids.tolist() == [[PAD] * 4 + [13], [PAD, PAD, 5, 6, 7]]
+
+
+class EosBias(torch.nn.Module):
+    """The model with a constant added to its EOS logit at every position (causal, unlike :class:`EosAt`), so that
+    sampled rows end at different steps."""
+
+    def __init__(self, inner: torch.nn.Module, bias: float) -> None:
+        super().__init__()
+        self.inner, self.bias = inner, bias
+
+    def forward(self, **kwargs: Any) -> Any:
+        out = self.inner(**kwargs)
+        logits = out.logits.clone()
+        logits[..., EOS] += self.bias
+        out.logits = logits
+        return out
+
+
+@pytest.mark.parametrize("temperature,top_p,min_new", [(1.0, 1.0, 0), (0.7, 0.8, 2)])
+def test_sampling_logprobs_equal_a_full_forward_in_fp32(
+    any_model: torch.nn.Module, temperature: float, top_p: float, min_new: int
+) -> None:
+    """The sampler's own log-probs (the RL loop's old log-probs when the fp32 policy samples itself) are the full
+    forward's: of the T-scaled distribution, before EOS is held off and before the top-p cut; 0 past a row's end."""
+    ids, mask = left_pad(PROMPTS * 4, PAD)
+    sampler = EosBias(any_model, 4.0)
+    ro, logp = generate(
+        sampler,
+        ids,
+        mask,
+        max_new_tokens=7,
+        eos_id=EOS,
+        pad_id=PAD,
+        temperature=temperature,
+        top_p=top_p,
+        min_new_tokens=min_new,
+        generator=torch.Generator().manual_seed(5),
+        with_logprobs=True,
+    )
+    assert logp.dtype == torch.float32 and logp.shape == ro.completion_ids.shape
+    assert bool(ro.completion_mask.bool().any()) and not bool(ro.completion_mask.bool().all())  # some rows end early
+    full, _ = completion_logprobs(sampler, ro, temperature=temperature, precision="fp32")
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(logp[m], full[m], rtol=0, atol=1e-5)
+    assert bool((logp[~m] == 0).all())
+    assert bool((logp[m] < 0).all())
