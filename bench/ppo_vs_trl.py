@@ -89,17 +89,14 @@ PHASES = [
 ]
 
 
-def model_flops_per_step(shape: ModelShape, mean_prompt: float, critic: str) -> dict[str, dict[str, float]]:
-    """Model FLOPs of one step by phase, per side (``common.FlopTerms``). The critic reads the last hidden state: its
-    passes have no LM head. On the policy's trunk it has no passes (its hidden → 1 head is not counted)."""
+def model_flops_per_step(
+    shape: ModelShape, mean_prompt: float, critic: str, trl: str = "rloo"
+) -> dict[str, dict[str, float]]:
+    """Model FLOPs of one step by phase, per side (``common.FlopTerms``). The critic and the reward model read the
+    last hidden state: their passes have no LM head. On the policy's trunk our critic has no passes (its hidden → 1
+    head is not counted). TRL's PPO takes its old log-probs from the sampling logits (no pass), scores with a full
+    reward model and trains a full value model: its backward also computes the body's weight gradients (2·N·T)."""
     f = flop_terms(shape, mean_prompt)
-    trl = {
-        "generation": f.generation(mean_prompt),
-        "old_logp": f.forward(adapter=True),
-        "reference": f.forward(adapter=False),
-        "policy_fwd": f.forward(adapter=True),
-        "backward": f.backward(),
-    }
     value = {
         "values": f.forward(adapter=True, lm_head=False),
         "critic_fwd": f.forward(adapter=True, lm_head=False),
@@ -107,15 +104,123 @@ def model_flops_per_step(shape: ModelShape, mean_prompt: float, critic: str) -> 
     }
     if critic == "policy_trunk":
         value = dict.fromkeys(value, 0.0)
-    return {"ours": trl | value, "trl": trl}
+    ours = {
+        "generation": f.generation(mean_prompt),
+        "old_logp": f.forward(adapter=True),
+        "reference": f.forward(adapter=False),
+        "policy_fwd": f.forward(adapter=True),
+        "backward": f.backward(),
+    } | value
+    if trl == "rloo":
+        return {
+            "ours": ours,
+            "trl": {k: ours[k] for k in ("generation", "old_logp", "reference", "policy_fwd", "backward")},
+        }
+    ours["reward"] = f.forward(adapter=True, lm_head=False)  # our reward model: its LoRA adapter on its own base
+    full_value_bwd = f.backward(lm_head=False) + 2 * f.n * f.tokens
+    trl_ppo = {
+        "generation": f.generation(mean_prompt),
+        "reference": f.forward(adapter=False),
+        "values": f.forward(adapter=False, lm_head=False),
+        "reward": f.forward(adapter=False, lm_head=False),
+        "policy_fwd": f.forward(adapter=True) + f.forward(adapter=False, lm_head=False),  # policy + value model
+        "backward": f.backward() + full_value_bwd,
+    }
+    return {"ours": ours, "trl": trl_ppo}
+
+
+# -- the reward model of the PPO-vs-PPO comparison (``--trl ppo``) ---------------------------------------------
+
+TRL_PPO_VERSION = "1.12.0"  # the last TRL release with a PPO trainer (``trl.experimental.ppo``; gone in 1.14)
+
+
+def trl_ppo_path(workdir: Path) -> Path:
+    """Where ``--trl ppo`` finds TRL 1.12.0: installed on its own (``pip install --no-deps --target``), so the rest of
+    the environment (transformers, peft, accelerate, torch) is the one both sides share."""
+    return workdir / f"trl-{TRL_PPO_VERSION}"
+
+
+def ensure_trl_ppo(workdir: Path) -> Path:
+    import subprocess
+    import sys
+
+    target = trl_ppo_path(workdir)
+    if not (target / "trl" / "experimental" / "ppo" / "ppo_trainer.py").exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--target",
+                str(target),
+                f"trl=={TRL_PPO_VERSION}",
+            ],
+            check=True,
+        )
+    return target
+
+
+def build_reward_model(workdir: Path, model_dir: Path, prompts: Path) -> Path:
+    """A reward model of the benchmark's base, trained by our ``reward_model`` method for one step on synthetic
+    pairs: a real reward-model folder (LoRA adapter + score head, ``reward_model.json``), which our ``reward_model``
+    grader scores with and which TRL's side loads merged (``PeftModel.from_pretrained(
+    AutoModelForSequenceClassification…).merge_and_unload()``): the same function on both sides. Built once."""
+    import random
+
+    out = workdir / f"rm-{model_dir.name}"
+    if (out / "adapter" / "reward_model.json").exists():
+        return out / "adapter"
+    from trainer.callbacks import BaseCallback
+    from trainer.config import parse_spec
+    from trainer.train import build_trainer
+
+    rng = random.Random(SEED)
+    rows = [json.loads(ln)["prompt"] for ln in prompts.read_text().splitlines() if ln.strip()][:64]
+    pairs = workdir / "rm-pairs.jsonl"
+    words = " ".join(rows).split()
+    lines = []
+    for text in rows:
+        chosen, rejected = " ".join(rng.sample(words, 4)), " ".join(rng.sample(words, 8))
+        if chosen != rejected:
+            lines.append(json.dumps({"prompt": text, "chosen": chosen, "rejected": rejected}) + "\n")
+    pairs.write_text("".join(lines))
+    spec = parse_spec(
+        {
+            "model": str(model_dir),
+            "training_file": str(pairs),
+            "seed": SEED,
+            "method": {
+                "type": "reward_model",
+                "reward_model": {
+                    "hyperparameters": {"batch_size": 8, "max_steps": 1, "max_length": 128, "precision": "fp32"},
+                    "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": "all-linear"},
+                },
+            },
+        }
+    )
+    build_trainer(spec, output_dir=out, callback=BaseCallback()).run()
+    assert (out / "adapter" / "reward_model.json").exists(), f"no reward model in {out}"
+    return out / "adapter"
 
 
 # -- workers: one side's run in its own process -----------------------------------------------------------------
 
 
-def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int, critic: str) -> Any:
-    """The benchmark run as our job spec (a :class:`trainer.config.JobSpec`)."""
+def our_spec(
+    model_dir: Path, prompts: Path, precision: str, *, max_steps: int, critic: str, reward_model: Path | None = None
+) -> Any:
+    """The benchmark run as our job spec (a :class:`trainer.config.JobSpec`). With ``reward_model`` (``--trl ppo``)
+    the reward is that model's score and a step is PPO's usual 64 prompts × 1 sample (TRL's PPO has no groups)."""
     from trainer.config import parse_spec
+
+    grader: dict[str, Any] = GRADER
+    batch, group = BATCH_PROMPTS, GROUP
+    if reward_model is not None:
+        grader = {"type": "reward_model", "name": "rm", "model": str(reward_model), "batch_size": ROWS}
+        batch, group = ROWS, 1
 
     return parse_spec(
         {
@@ -125,10 +230,10 @@ def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int, 
             "method": {
                 "type": "ppo",
                 "ppo": {
-                    "grader": GRADER,
+                    "grader": grader,
                     "hyperparameters": {
-                        "batch_size": BATCH_PROMPTS,
-                        "group_size": GROUP,
+                        "batch_size": batch,
+                        "group_size": group,
                         "iterations_per_batch": MU,
                         "mini_batches": 1,
                         "max_steps": max_steps,
@@ -155,7 +260,15 @@ def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int, 
     )
 
 
-def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup: int, critic: str) -> dict[str, Any]:
+def run_ours(
+    model_dir: Path,
+    prompts: Path,
+    precision: str,
+    steps: int,
+    warmup: int,
+    critic: str,
+    reward_model: Path | None = None,
+) -> dict[str, Any]:
     import torch
 
     import trainer.rl as rl
@@ -194,7 +307,7 @@ def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup:
     Critic.values = phases.wrap(Critic.values, critic_phase)  # type: ignore[method-assign]
     rl.RLTrainer._gae_advantages = phases.wrap(rl.RLTrainer._gae_advantages, "advantages")  # type: ignore[method-assign]
     patch_backward(phases, backward_phase)
-    spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps, critic=critic)
+    spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps, critic=critic, reward_model=reward_model)
     with tempfile.TemporaryDirectory() as out:
         t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device("cpu"))
         assert t.critic is not None and t.critic.shared and t.critic.trunk == (critic == "policy_trunk"), (
@@ -301,6 +414,115 @@ def run_trl(
     return {"step_s": clock.times, "peak_rss_mib": clock.peak_rss_mib, "phases": phases.sums}
 
 
+def run_trl_ppo(
+    model_dir: Path, prompts: Path, precision: str, steps: int, warmup: int, reward_model: Path, trl_path: Path
+) -> dict[str, Any]:
+    """TRL 1.12.0's ``trl.experimental.ppo.PPOTrainer`` as its own example script sets it up: LoRA on the policy
+    (``peft_config``; the reference is the adapter disabled), the value model and the reward model full sequence-
+    classification models loaded from the reward model (the value model fully trained), 64 prompts a step, one
+    mini-batch, one PPO epoch, no stop token (so exactly 32 new tokens), the same β, clip ranges, ``vf_coef``, γ, λ."""
+    import sys
+
+    sys.path.insert(0, str(trl_path))
+    import torch
+    import trl
+    import trl.experimental.ppo.ppo_trainer as ppo_mod
+    from datasets import Dataset  # type: ignore[import-untyped]
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    assert trl.__version__ == TRL_PPO_VERSION, trl.__version__
+    phases = PhaseTimer()
+    clock = StepClock(warmup, phases)
+    widths: list[int] = []
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            clock.step_end()
+
+    def generation(model: Any, queries: Any, *a: Any, **k: Any) -> Any:
+        out = gen(model, queries, *a, **k)
+        widths.append(out[0].shape[1] - queries.shape[1])
+        return out
+
+    def forward_phase(*_: Any, **__: Any) -> str:
+        return "policy_fwd" if torch.is_grad_enabled() else "reference"  # TRL's old log-probs: generation's logits
+
+    def reward_phase(model: Any, *_: Any, **__: Any) -> str:
+        return "reward" if model is reward else "values"
+
+    gen = ppo_mod.batch_generation
+    ppo_mod.batch_generation = phases.wrap(generation, "generation")
+    ppo_mod.forward = phases.wrap(ppo_mod.forward, forward_phase)
+    ppo_mod.get_reward = phases.wrap(ppo_mod.get_reward, reward_phase)
+    patch_backward(phases)
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(ln)["prompt"] for ln in prompts.read_text().splitlines() if ln.strip()]
+    data = Dataset.from_list([{"input_ids": tok(t)["input_ids"]} for t in rows])
+
+    def rm_model() -> Any:
+        base = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+        return PeftModel.from_pretrained(base, reward_model).merge_and_unload()
+
+    reward, value = rm_model(), rm_model()
+    with tempfile.TemporaryDirectory() as out:
+        args = PPOConfig(
+            output_dir=out,
+            use_cpu=True,
+            bf16=precision == "bf16",
+            fp16=False,
+            per_device_train_batch_size=ROWS,
+            gradient_accumulation_steps=1,
+            num_mini_batches=1,
+            num_ppo_epochs=MU,
+            local_rollout_forward_batch_size=ROWS,
+            total_episodes=ROWS * (warmup + steps),
+            response_length=COMPLETION,
+            stop_token=None,
+            temperature=1.0,
+            kl_coef=BETA,
+            kl_estimator="k1",
+            cliprange=0.2,
+            cliprange_value=0.2,
+            vf_coef=0.1,
+            gamma=1.0,
+            lam=0.95,
+            whiten_rewards=False,
+            missing_eos_penalty=None,
+            num_sample_generations=0,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            logging_steps=10**6,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=SEED,
+            dataloader_num_workers=0,
+        )
+        trainer = PPOTrainer(
+            args=args,
+            processing_class=tok,
+            model=AutoModelForCausalLM.from_pretrained(model_dir),
+            ref_model=None,
+            reward_model=reward,
+            train_dataset=data,
+            value_model=value,
+            eval_dataset=data.select(range(ROWS)),
+            peft_config=LoraConfig(
+                r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+            ),
+            callbacks=[Clock()],
+        )
+        clock.last = time.perf_counter()
+        trainer.train()
+    assert len(widths) == warmup + steps, f"TRL PPO: {len(widths)} generation batches"
+    assert all(w == COMPLETION for w in widths), f"TRL PPO: completion widths {widths}"
+    return {"step_s": clock.times, "peak_rss_mib": clock.peak_rss_mib, "phases": phases.sums}
+
+
 def worker_main(a: argparse.Namespace) -> None:
     import torch
 
@@ -308,8 +530,12 @@ def worker_main(a: argparse.Namespace) -> None:
         torch.set_num_threads(a.threads)
     torch.manual_seed(SEED)
     model_dir, prompts = Path(a.model_dir), Path(a.prompts)
+    rm = Path(a.reward_model) if a.reward_model else None
     if a.worker == "ours":
-        res = run_ours(model_dir, prompts, a.precision, a.steps, a.warmup, a.critic)
+        res = run_ours(model_dir, prompts, a.precision, a.steps, a.warmup, a.critic, rm)
+    elif a.trl == "ppo":
+        assert rm is not None
+        res = run_trl_ppo(model_dir, prompts, a.precision, a.steps, a.warmup, rm, trl_ppo_path(a.workdir))
     else:
         res = run_trl(model_dir, prompts, a.precision, a.steps, a.warmup, a.trl_gradient_checkpointing)
     res["threads"] = torch.get_num_threads()
@@ -321,7 +547,10 @@ def worker_main(a: argparse.Namespace) -> None:
 
 def run_side(side: str, model_dir: Path, prompts: Path, a: argparse.Namespace) -> dict[str, Any]:
     argv = ["--model-dir", str(model_dir), "--prompts", str(prompts), "--precision", a.precision]
-    argv += ["--steps", str(a.steps), "--warmup", str(a.warmup), "--critic", a.critic]
+    argv += ["--steps", str(a.steps), "--warmup", str(a.warmup), "--critic", a.critic, "--trl", a.trl]
+    argv += ["--workdir", str(a.workdir)]
+    if a.reward_model:
+        argv += ["--reward-model", str(a.reward_model)]
     if a.trl_gradient_checkpointing:
         argv.append("--trl-gradient-checkpointing")
     if a.threads:
@@ -343,6 +572,14 @@ def main() -> None:
         default="adapter",
         help="ours: the value model a second adapter (default) or a head on the policy's trunk",
     )
+    p.add_argument(
+        "--trl",
+        choices=["rloo", "ppo"],
+        default="rloo",
+        help="TRL's side: RLOOTrainer of the installed TRL (reward: length_penalty), or PPOTrainer of TRL "
+        f"{TRL_PPO_VERSION} (installed under the workdir; reward: a reward model on both sides)",
+    )
+    p.add_argument("--reward-model", help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="models and prompts (shared with GRPO's)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off: no recomputation")
     p.add_argument("--threads", type=int, help="torch threads on both sides (default: torch's, one per core)")
@@ -360,16 +597,21 @@ def main() -> None:
 
     shape = MODELS[a.model]
     model_dir, prompts = build_assets(a.workdir, a.model)
+    if a.trl == "ppo":
+        ensure_trl_ppo(a.workdir)
+        a.reward_model = build_reward_model(a.workdir, model_dir, prompts)
     mean_prompt = statistics.fmean(prompt_lengths(prompts))
-    flops = model_flops_per_step(shape, mean_prompt, a.critic)
+    flops = model_flops_per_step(shape, mean_prompt, a.critic, a.trl)
+    trl_label = "TRL (PPO)" if a.trl == "ppo" else "TRL (RLOO)"
+    trl_name = f"TRL {TRL_PPO_VERSION} PPOTrainer" if a.trl == "ppo" else f"TRL {trl.__version__} RLOOTrainer"
     total = {side: sum(f.values()) for side, f in flops.items()}
     print(
         f"model {a.model}: Qwen2 hidden {shape.hidden}, {shape.layers} layers, vocab {VOCAB}; precision {a.precision};"
         f" {ROWS} rows × {COMPLETION} new tokens, mean prompt {mean_prompt:.1f} tokens; threads "
-        f"{a.threads or torch.get_num_threads()}; TRL {trl.__version__} RLOOTrainer; our critic {a.critic}"
+        f"{a.threads or torch.get_num_threads()}; {trl_name}; our critic {a.critic}"
     )
     print(
-        f"model FLOPs/step: ours (PPO) {total['ours'] / 1e9:.1f} G, TRL (RLOO) {total['trl'] / 1e9:.1f} G "
+        f"model FLOPs/step: ours (PPO) {total['ours'] / 1e9:.1f} G, {trl_label} {total['trl'] / 1e9:.1f} G "
         f"(ours {total['ours'] / total['trl']:.2f}×: the critic's passes "
         + ", ".join(f"{k} {flops['ours'][k] / 1e9:.1f}" for k in ("values", "critic_fwd", "critic_bwd"))
         + ")"
@@ -388,7 +630,7 @@ def main() -> None:
         f"{'model GFLOP/s':>14s}"
     )
     for side, s in summary.items():
-        label = "ours (PPO)" if side == "ours" else "TRL (RLOO)"
+        label = "ours (PPO)" if side == "ours" else trl_label
         print(
             f"{label:11s} {s['s_per_step']:8.3f} {s['s_median']:7.3f} {s['s_min']:7.3f}–{s['s_max']:<7.3f} "
             f"{s['gen_tok_s']:10.0f} "
