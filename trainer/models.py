@@ -78,7 +78,16 @@ def load_base_model(model: str, device: torch.device) -> PreTrainedModel:
     base.to(device)
     base.eval()
     base.config.use_cache = True
+    no_cudnn_attention(device)
     return base
+
+
+def no_cudnn_attention(device: torch.device) -> None:
+    """Left padding leaves the pad positions' query rows fully masked. cuDNN's SDPA backward returns NaN for such
+    rows (seen on an H200 with torch 2.11: NaN gradients from the second step on, then a NaN sampler); the other
+    SDPA kernels (memory-efficient, flash, math) do not, so cuDNN's is switched off in a training process."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def add_lora(base: PreTrainedModel, spec: LoraSpec, *, seed: int) -> PeftModel:

@@ -38,6 +38,7 @@ from trainer.models import (
     autocast,
     default_device,
     load_tokenizer,
+    no_cudnn_attention,
     resolve_precision,
     store_frozen_linears_in,
 )
@@ -140,6 +141,7 @@ def build_reward_model(
         raise ModelError(f"cannot load model {base_model!r} with a score head: {err}") from None
     _backbone_and_head(base)
     base.config.pad_token_id = pad_token_id
+    no_cudnn_attention(device)
     if frozen_dtype is not None:
         store_frozen_linears_in(base, frozen_dtype)
         base.score.to(torch.float32)  # trained in full: its master weights stay fp32

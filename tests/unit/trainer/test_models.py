@@ -93,3 +93,19 @@ def test_frozen_linears_in_bf16_give_the_same_autocast_logits_and_fp32_lora(rand
         assert torch.equal(a(IDS).logits, b(IDS).logits)
     policy = add_lora(b, LoraSpec(r=4, alpha=8), seed=0)
     assert all(p.dtype == torch.float32 for p in policy.parameters() if p.requires_grad)
+
+
+def test_training_on_cuda_switches_cudnn_attention_off_and_the_cpu_leaves_it() -> None:
+    """cuDNN's SDPA backward gives NaN on the fully masked query rows of left padding (an H200 run: NaN gradients
+    from the second step): a CUDA training process turns that kernel off; a CPU one leaves the flag alone."""
+    from trainer.models import no_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        no_cudnn_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        no_cudnn_attention(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
