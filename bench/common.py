@@ -39,6 +39,9 @@ VOCAB = 1024
 LORA_R, LORA_ALPHA = 16, 32
 LR = 3e-4
 SEED = 0
+# Where both sides run: "cpu" (the default and the results in BENCHMARKS.md's CPU tables) or "cuda" (a GPU check:
+# PROXIMA_BENCH_DEVICE=cuda; peak memory is then also the GPU's, torch.cuda.max_memory_allocated).
+DEVICE = os.environ.get("PROXIMA_BENCH_DEVICE", "cpu")
 # Both benchmarks build the same models and prompts: one work folder, built once.
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "proxima-grpo-bench"
 
@@ -61,7 +64,7 @@ class ModelShape:
         return max(self.heads // 2, 1)
 
 
-MODELS = {"small": ModelShape(256, 4), "large": ModelShape(512, 8)}
+MODELS = {"small": ModelShape(256, 4), "large": ModelShape(512, 8), "xl": ModelShape(1024, 16)}  # xl: GPU runs
 
 # The length_penalty grader is the reward on both sides: ~5 characters a token, so 32 tokens ≈ 150–200 characters
 # and the reward varies within every group.
@@ -246,6 +249,7 @@ class StepClock:
         self.last = time.perf_counter()
         self.times: list[float] = []
         self.peak_rss_mib = 0.0
+        self.peak_gpu_mib = 0.0
 
     def step_end(self) -> None:
         now = time.perf_counter()
@@ -253,8 +257,16 @@ class StepClock:
         if self.done > self.warmup:
             self.times.append(now - self.last)
             self.peak_rss_mib = peak_rss_mib()
+            if DEVICE == "cuda":
+                import torch
+
+                self.peak_gpu_mib = torch.cuda.max_memory_allocated() / 2**20
         if self.done == self.warmup:
             reset_peak_rss()
+            if DEVICE == "cuda":
+                import torch
+
+                torch.cuda.reset_peak_memory_stats()
             self.phases.on = True
         self.last = now
 
@@ -321,7 +333,8 @@ def run_rounds(
                 f"round {r + 1} {side:4s}: "
                 + " ".join(f"{t:.3f}" for t in res["step_s"])
                 + f" s/step, peak RSS {res['peak_rss_mib']:.0f} MiB "
-                f"(load {res['load_start']} → {res['load_end']})",
+                + (f"GPU {res['peak_gpu_mib']:.0f} MiB " if res.get("peak_gpu_mib") else "")
+                + f"(load {res['load_start']} → {res['load_end']})",
                 flush=True,
             )
     return runs
@@ -347,6 +360,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "round_means": [statistics.fmean(res["step_s"]) for res in rs],
             "gen_tok_s": ROWS * COMPLETION / sec,
             "peak_rss_mib": max(res["peak_rss_mib"] for res in rs),
+            "peak_gpu_mib": max(res.get("peak_gpu_mib", 0.0) for res in rs),
             "phases_per_step": {k: v / len(times) for k, v in phases.items()},
             "steps": len(times),
         }

@@ -47,6 +47,7 @@ from common import (
     BATCH_PROMPTS,
     COMPLETION,
     DEFAULT_WORKDIR,
+    DEVICE,
     GRADER,
     GROUP,
     LORA_ALPHA,
@@ -167,13 +168,18 @@ def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup:
     patch_backward(phases)
     spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps)
     with tempfile.TemporaryDirectory() as out:
-        t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device("cpu"))
+        t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device(DEVICE))
         # Wraps the scheduler's own step-tracking wrapper, so the scheduler still sees every optimiser step.
         t.optimizer.step = phases.wrap(t.optimizer.step, "optimizer")  # type: ignore[method-assign]
         clock.last = time.perf_counter()
         t.run()
     assert all(mean == COMPLETION and mx == COMPLETION for mean, mx in lengths), f"ours: lengths {lengths}"
-    return {"step_s": clock.times, "peak_rss_mib": clock.peak_rss_mib, "phases": phases.sums}
+    return {
+        "step_s": clock.times,
+        "peak_rss_mib": clock.peak_rss_mib,
+        "peak_gpu_mib": clock.peak_gpu_mib,
+        "phases": phases.sums,
+    }
 
 
 def run_trl(
@@ -219,7 +225,7 @@ def run_trl(
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out,
-            use_cpu=True,
+            use_cpu=DEVICE == "cpu",
             bf16=precision == "bf16",
             fp16=False,
             gradient_checkpointing=gradient_checkpointing,
@@ -264,7 +270,12 @@ def run_trl(
         clock.last = time.perf_counter()
         trainer.train()
     assert seen_lengths and all(n == COMPLETION for n in seen_lengths), f"TRL: completion lengths {set(seen_lengths)}"
-    return {"step_s": clock.times, "peak_rss_mib": clock.peak_rss_mib, "phases": phases.sums}
+    return {
+        "step_s": clock.times,
+        "peak_rss_mib": clock.peak_rss_mib,
+        "peak_gpu_mib": clock.peak_gpu_mib,
+        "phases": phases.sums,
+    }
 
 
 def worker_main(a: argparse.Namespace) -> None:
@@ -358,6 +369,7 @@ def main() -> None:
         print(
             f"ours/TRL: throughput {t['s_per_step'] / o['s_per_step']:.2f}×, "
             f"peak RSS {o['peak_rss_mib'] / t['peak_rss_mib']:.2f}×"
+            + (f", peak GPU memory {o['peak_gpu_mib'] / t['peak_gpu_mib']:.2f}×" if t["peak_gpu_mib"] else "")
         )
     print("\nseconds per step by phase (the rest: data, advantages, loss arithmetic, metrics):")
     for side, s in summary.items():

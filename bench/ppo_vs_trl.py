@@ -46,6 +46,7 @@ from common import (
     BATCH_PROMPTS,
     COMPLETION,
     DEFAULT_WORKDIR,
+    DEVICE,
     GRADER,
     GROUP,
     LORA_ALPHA,
@@ -309,7 +310,7 @@ def run_ours(
     patch_backward(phases, backward_phase)
     spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps, critic=critic, reward_model=reward_model)
     with tempfile.TemporaryDirectory() as out:
-        t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device("cpu"))
+        t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device(DEVICE))
         assert t.critic is not None and t.critic.shared and t.critic.trunk == (critic == "policy_trunk"), (
             "the benchmark's critic is a second adapter on the policy's base or a head on its trunk"
         )
@@ -319,7 +320,12 @@ def run_ours(
         t.run()
     assert len(lengths) == warmup + steps, f"ours: {len(lengths)} steps"
     assert all(mean == COMPLETION and mx == COMPLETION for mean, mx in lengths), f"ours: lengths {lengths}"
-    return {"step_s": clock.times, "peak_rss_mib": clock.peak_rss_mib, "phases": phases.sums}
+    return {
+        "step_s": clock.times,
+        "peak_rss_mib": clock.peak_rss_mib,
+        "peak_gpu_mib": clock.peak_gpu_mib,
+        "phases": phases.sums,
+    }
 
 
 def run_trl(
@@ -367,7 +373,7 @@ def run_trl(
     with tempfile.TemporaryDirectory() as out:
         args = RLOOConfig(
             output_dir=out,
-            use_cpu=True,
+            use_cpu=DEVICE == "cpu",
             bf16=precision == "bf16",
             fp16=False,
             gradient_checkpointing=gradient_checkpointing,
@@ -411,7 +417,12 @@ def run_trl(
         trainer.train()
     assert len(seen_lengths) == ROWS * (warmup + steps), f"TRL: {len(seen_lengths)} completions graded"
     assert all(n == COMPLETION for n in seen_lengths), f"TRL: completion lengths {set(seen_lengths)}"
-    return {"step_s": clock.times, "peak_rss_mib": clock.peak_rss_mib, "phases": phases.sums}
+    return {
+        "step_s": clock.times,
+        "peak_rss_mib": clock.peak_rss_mib,
+        "peak_gpu_mib": clock.peak_gpu_mib,
+        "phases": phases.sums,
+    }
 
 
 def run_trl_ppo(
@@ -470,7 +481,7 @@ def run_trl_ppo(
     with tempfile.TemporaryDirectory() as out:
         args = PPOConfig(
             output_dir=out,
-            use_cpu=True,
+            use_cpu=DEVICE == "cpu",
             bf16=precision == "bf16",
             fp16=False,
             per_device_train_batch_size=ROWS,
@@ -520,7 +531,12 @@ def run_trl_ppo(
         trainer.train()
     assert len(widths) == warmup + steps, f"TRL PPO: {len(widths)} generation batches"
     assert all(w == COMPLETION for w in widths), f"TRL PPO: completion widths {widths}"
-    return {"step_s": clock.times, "peak_rss_mib": clock.peak_rss_mib, "phases": phases.sums}
+    return {
+        "step_s": clock.times,
+        "peak_rss_mib": clock.peak_rss_mib,
+        "peak_gpu_mib": clock.peak_gpu_mib,
+        "phases": phases.sums,
+    }
 
 
 def worker_main(a: argparse.Namespace) -> None:
@@ -644,6 +660,7 @@ def main() -> None:
             f"{t['s_median'] / o['s_median']:.2f}×; by round "
             + ", ".join(f"{r:.2f}×" for r in per_round)
             + f"), peak RSS {o['peak_rss_mib'] / t['peak_rss_mib']:.2f}×"
+            + (f", peak GPU memory {o['peak_gpu_mib'] / t['peak_gpu_mib']:.2f}×" if t["peak_gpu_mib"] else "")
         )
     print("\nseconds per step by phase (the rest: data, GAE/advantages arithmetic, loss arithmetic, metrics):")
     for side, s in summary.items():
