@@ -8,7 +8,8 @@ losses are computed in fp32 either way (``core_algos.selective_log_softmax``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import ctypes
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -80,6 +81,25 @@ def load_base_model(model: str, device: torch.device) -> PreTrainedModel:
     base.config.use_cache = True
     no_cudnn_attention(device)
     return base
+
+
+def _glibc_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc.malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _glibc_malloc_trim()
+
+
+def trim_freed_memory(device: torch.device) -> None:
+    """On the CPU, hand the heap memory a backward just freed back to the OS (glibc ``malloc_trim``). Activations are
+    many large blocks; glibc keeps freed ones and fragments, so without this the next graph (the critic's, the next
+    micro-batch's) grows the process instead of reusing them. About 30 ms a call; nothing on a GPU."""
+    if device.type == "cpu" and _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def no_cudnn_attention(device: torch.device) -> None:

@@ -69,6 +69,7 @@ from trainer.models import (
     resolve_precision,
     store_frozen_linears_in,
     trainable_parameters,
+    trim_freed_memory,
 )
 from trainer.recipes import RECIPES, Recipe
 from trainer.rollout import (
@@ -645,6 +646,7 @@ class RLTrainer:
                             sums["kl_tok"] += float(pmask.sum())
                     if self.critic is None:
                         loss.backward()
+                        trim_freed_memory(self.device)
                     else:
                         assert isinstance(hp, PPOHyperparameters)
                         assert batch.values is not None and batch.returns is not None
@@ -652,6 +654,7 @@ class RLTrainer:
                             v = self.critic.head_values(hidden)
                         else:  # the critic's own graph: the policy's is backpropagated (and freed) first
                             loss.backward()
+                            trim_freed_memory(self.device)
                             loss = loss.detach()
                             v = self.critic.values(part, precision=self.precision)
                         vl = value_loss_clipped(
@@ -659,6 +662,7 @@ class RLTrainer:
                         )
                         vf_loss = self.aggregate(vl.per_token, pmask, scale)
                         (loss + hp.vf_coef * vf_loss).backward()
+                        trim_freed_memory(self.device)
                         sums["vf"] += float(vf_loss.detach())
                         sums["vf_clip"] += float(vl.clipped.sum())
                     sums["pg"] += float(pg_loss.detach())
