@@ -217,6 +217,7 @@ def measure(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_load_process, args=(base, key, path, rate, warmup + windows * seconds, max_connections, q))
+    t0_wall = time.time()  # the generator's own t = 0 is up to a second later (its spawn): a bound, not a stamp
     p.start()
     time.sleep(warmup)
     loads = [loadavg()]
@@ -230,7 +231,11 @@ def measure(
     bounds = [(0.0, warmup)] if warmup > 0 else []
     bounds += [(warmup + i * seconds, warmup + (i + 1) * seconds) for i in range(windows)]
     for i, (lo, hi) in enumerate(bounds):
-        stats = window_stats([r for r in reqs if lo <= r[0] < hi], hi - lo)
+        inside = [r for r in reqs if lo <= r[0] < hi]
+        stats = window_stats(inside, hi - lo)
+        stats["wall_start"] = t0_wall + lo
+        stats["wall_end"] = t0_wall + hi
+        stats["slowest_at_s"] = round(max(inside, key=lambda r: r[1])[0] - lo, 2) if inside else None
         # Answers completed in the window: below the offered rate when the server falls behind.
         stats["achieved_rps"] = round(sum(1 for r in reqs if lo <= r[0] + r[1] < hi) / (hi - lo), 1)
         stats["window"] = "warm-up" if warmup > 0 and i == 0 else f"{lo:g}-{hi:g} s"
@@ -239,6 +244,41 @@ def measure(
         stats["loadavg_before"], stats["loadavg_after"] = before, after
     out[-windows]["connections"] = res["connections"]
     return out
+
+
+def maintenance(db: str) -> list[dict[str, Any]]:
+    """PostgreSQL's last autovacuum and autoanalyze of each table of the bench database (``pg_stat_user_tables``:
+    when each last finished, and how many ran), to match against the windows' stalls."""
+    conn = psycopg2.connect(host="127.0.0.1", user="postgres", dbname=db)
+    cur = conn.cursor()
+    cur.execute(
+        "SELECT relname, extract(epoch FROM last_autovacuum), extract(epoch FROM last_autoanalyze), "
+        "autovacuum_count, autoanalyze_count FROM pg_stat_user_tables "
+        "WHERE autovacuum_count > 0 OR autoanalyze_count > 0 ORDER BY relname"
+    )
+    rows = [
+        {
+            "table": r[0],
+            "last_autovacuum": float(r[1]) if r[1] is not None else None,
+            "last_autoanalyze": float(r[2]) if r[2] is not None else None,
+            "autovacuums": r[3],
+            "autoanalyzes": r[4],
+        }
+        for r in cur.fetchall()
+    ]
+    conn.close()
+    return rows
+
+
+def maintenance_in(window: dict[str, Any], tables: list[dict[str, Any]]) -> list[str]:
+    """The autovacuum/autoanalyze runs that finished inside a window (by their last finish time only)."""
+    hits = []
+    for t in tables:
+        for kind in ("last_autovacuum", "last_autoanalyze"):
+            at = t[kind]
+            if at is not None and window["wall_start"] <= at < window["wall_end"]:
+                hits.append(f"{kind.removeprefix('last_')} of {t['table']} at +{at - window['wall_start']:.1f} s")
+    return hits
 
 
 def summary(label: str, windows: list[dict[str, Any]]) -> str:
@@ -302,8 +342,12 @@ def main() -> None:
         job_path = f"/v1/fine_tuning/jobs/{job_id}"
         job_load = dict(rate=args.rate, seconds=args.seconds, windows=args.windows, warmup=args.warmup, **load)
         windows = measure(base, key, job_path, **job_load)
+        tables = maintenance(db)
+        results["autovacuum"] = tables
         for w in windows:
+            w["maintenance"] = maintenance_in(w, tables)
             print(f"GET job {w['window']}: {json.dumps(w)}", flush=True)
+        print(f"autovacuum/autoanalyze of the seeded tables: {json.dumps(tables)}", flush=True)
         results["GET job"] = windows
         label = f"GET metrics ({args.metrics_rows} rows)"
         metrics_path = f"/v1/fine_tuning/jobs/{job_id}/metrics"
