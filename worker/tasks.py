@@ -384,7 +384,9 @@ class _Runner:
             return "lost"
         if final is not None and final["type"] == "done" and rc == 0:
             if final["stopped"]:
-                return self._stopped(stop_reason or ("cancel" if cancel else "pause"), final["last_step"])
+                # A cancel asked while the run was stopping for a pause still wins: the user's last word is cancel.
+                reason = "cancel" if cancel else (stop_reason or "pause")
+                return self._stopped(reason, final["last_step"])
             return self._succeed()
         if cancel:
             return self._stopped("cancel", None)
