@@ -110,7 +110,9 @@ def test_cancel_while_running_stops_within_a_step_and_writes_nothing_after(
 
     job = service.wait_status(job_id, "cancelled", "failed", "succeeded", timeout=30)
     assert job.status == "cancelled" and job.finished_at is not None and job.lease_owner is None
-    assert time.monotonic() - requested < 10
+    # The behaviour is step-bounded (below); the wall clock only catches a hang: a final checkpoint and the adapter's
+    # upload took 13 s on a slow 2-core machine under load.
+    assert time.monotonic() - requested < 25
     events = service.events(job_id)
     landed = next(e for e in events if e.message.startswith("Cancellation requested"))
     last = max(service.metric_steps(job_id))
