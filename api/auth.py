@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -28,22 +29,32 @@ def create_key(session: Session, *, tenant_name: str) -> tuple[Tenant, str]:
     return tenant, key
 
 
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """The tenant a request acts for, as routes and services see it: its fields, not a session-bound row (one
+    object per key, shared by the requests of the key cache's lifetime)."""
+
+    id: str
+    name: str
+    created_at: int
+
+
 KEY_CACHE_SECONDS = 10.0
 """A key's tenant is remembered this long in each API process: one query less on every request (the hot path of
 a job poll). A revoked key therefore keeps working for at most this long."""
 
-_key_cache: dict[str, tuple[float, str, str, int]] = {}
+_key_cache: dict[str, tuple[float, Caller]] = {}
 
 
-def cached_tenant(key: str) -> Tenant | None:
+def cached_tenant(key: str) -> Caller | None:
     """The key's tenant if this process looked it up less than ``KEY_CACHE_SECONDS`` ago, else None (no I/O)."""
     hit = _key_cache.get(hash_key(key))
     if hit is not None and hit[0] > time.monotonic():
-        return Tenant(id=hit[1], name=hit[2], created_at=hit[3])  # detached: routes read its fields only
+        return hit[1]
     return None
 
 
-def tenant_for_key(session: Session, key: str) -> Tenant | None:
+def tenant_for_key(session: Session, key: str) -> Caller | None:
     cached = cached_tenant(key)
     if cached is not None:
         return cached
@@ -53,8 +64,10 @@ def tenant_for_key(session: Session, key: str) -> Tenant | None:
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None))
     )
-    if tenant is not None:
-        if len(_key_cache) > 10_000:
-            _key_cache.clear()
-        _key_cache[digest] = (time.monotonic() + KEY_CACHE_SECONDS, tenant.id, tenant.name, tenant.created_at)
-    return tenant
+    if tenant is None:
+        return None
+    caller = Caller(id=tenant.id, name=tenant.name, created_at=tenant.created_at)
+    if len(_key_cache) > 10_000:
+        _key_cache.clear()
+    _key_cache[digest] = (time.monotonic() + KEY_CACHE_SECONDS, caller)
+    return caller

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 # Connections per API or worker process. The API also admits at most this many requests with an open session at a
@@ -16,6 +18,8 @@ MAX_OVERFLOW = 20
 # SQLAlchemy's own defaults for a SQLite file, spelt out because ``pool_capacity`` counts them.
 SQLITE_POOL_SIZE = 5
 SQLITE_MAX_OVERFLOW = 10
+# Idle connections the read engine keeps (``read_engine_for``).
+READ_POOL_SIZE = 4
 
 
 class Base(DeclarativeBase):
@@ -59,6 +63,46 @@ def engine_for(url: str) -> Engine:
 @lru_cache
 def sessionmaker_for(url: str) -> sessionmaker[Session]:
     return sessionmaker(engine_for(url), expire_on_commit=False)
+
+
+@lru_cache
+def read_engine_for(url: str) -> Engine:
+    """The engine of the hot reads (``read``): autocommit, so a read is one round trip to PostgreSQL (no BEGIN, no
+    COMMIT), and no pre-ping (another round trip on every checkout); ``read`` retries on a fresh connection instead
+    when a pooled one turns out dead. It keeps few idle connections: the API's session slots bound how many are in
+    use across both engines. SQLite (the embedded default) shares the one engine."""
+    if url.startswith("sqlite"):
+        return engine_for(url)
+    return create_engine(
+        url,
+        isolation_level="AUTOCOMMIT",
+        pool_size=READ_POOL_SIZE,
+        max_overflow=POOL_SIZE + MAX_OVERFLOW - READ_POOL_SIZE,
+        pool_timeout=60,
+    )
+
+
+def dispose_engines(url: str) -> None:
+    """Close every pooled connection of ``url`` in this process (both engines), as before dropping a database."""
+    engine_for(url).dispose()
+    read_engine_for(url).dispose()
+
+
+T = TypeVar("T")
+
+
+def read(url: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
+    """``fn(connection, **kwargs)`` on a ``read_engine_for`` connection: statements that only read, each its own
+    transaction. A connection that PostgreSQL closed while it sat in the pool (a restart, an idle timeout) fails on
+    first use; SQLAlchemy then invalidates it and the pool's older connections, and the read runs once more."""
+    for attempt in (1, 2):
+        try:
+            with read_engine_for(url).connect() as conn:
+                return fn(conn, **kwargs)
+        except DBAPIError as err:
+            if attempt == 2 or not err.connection_invalidated:
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextmanager

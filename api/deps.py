@@ -7,10 +7,10 @@ seven of them. Only the database work itself runs in threads.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import nullcontext
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import anyio
 from anyio.lowlevel import RunVar
@@ -18,10 +18,9 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import cached_tenant, tenant_for_key
-from api.db import pool_capacity, session_scope
+from api.auth import Caller, cached_tenant, tenant_for_key
+from api.db import pool_capacity, read, session_scope
 from api.errors import Unauthorized
-from api.orm import Tenant
 from api.settings import Settings
 from api.storage import ArtifactStore, store_from_url
 
@@ -51,14 +50,47 @@ def _slots(url: str) -> anyio.Semaphore | None:
     return slots[url]
 
 
-async def get_session(settings: SettingsDep) -> AsyncIterator[Session]:
-    """One session per request, committed (or rolled back) and closed at the request boundary.
+def session_slot(url: str) -> AbstractAsyncContextManager[Any]:
+    """Admission to the database: at most as many requests hold a session at once as the pool has connections; the
+    others wait here, on the event loop. Without that limit a burst deadlocks: every threadpool thread waits in the
+    pool for a connection while every connection belongs to a request waiting for a thread to run its next step,
+    until the pool's timeout (503s)."""
+    return _slots(url) or nullcontext()
 
-    At most as many requests hold a session as the pool has connections; the others wait here, on the event loop.
-    Without that limit a burst deadlocks: every threadpool thread waits in the pool for a connection while every
-    connection belongs to a request waiting for a thread to run its next step, until the pool's timeout (503s).
-    """
-    async with _slots(settings.db_url) or nullcontext():
+
+def _tenant_for_key(url: str, key: str) -> Caller | None:
+    with session_scope(url) as session:
+        return tenant_for_key(session, key)
+
+
+async def get_tenant(request: Request, settings: SettingsDep) -> Caller:
+    """The tenant of the request's API key: from this process's key cache, else from the database (its own read,
+    so that a route that needs no session opens none)."""
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
+    tenant = cached_tenant(key)
+    if tenant is None:
+        async with session_slot(settings.db_url):
+            tenant = await run_in_threadpool(_tenant_for_key, settings.db_url, key)
+    if tenant is None:
+        raise Unauthorized("Incorrect API key provided", code="invalid_api_key")
+    return tenant
+
+
+TenantDep = Annotated[Caller, Depends(get_tenant)]
+
+
+async def get_session(settings: SettingsDep, _: TenantDep) -> AsyncIterator[Session]:
+    """One session per authenticated request, committed (or rolled back) and closed at the request boundary, within
+    a ``session_slot``. A session that never touched the database is closed on the event loop (no I/O), not in a
+    thread.
+
+    The tenant is resolved first (FastAPI caches it for the route's own ``TenantDep``): a key lookup takes a slot of
+    its own, and a request that held one slot while waiting for a second could deadlock a burst."""
+    async with session_slot(settings.db_url):
         scope = session_scope(settings.db_url)
         session = scope.__enter__()  # a Session object: no I/O before its first query
         try:
@@ -71,28 +103,30 @@ async def get_session(settings: SettingsDep) -> AsyncIterator[Session]:
             if not suppressed:
                 raise
         else:
+            if _untouched(session):
+                scope.__exit__(None, None, None)  # commits nothing and closes: no connection was checked out
+                return
             # Its own limiter: the commit never waits for a threadpool thread while holding a connection.
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(scope.__exit__, None, None, None, limiter=anyio.CapacityLimiter(1))
 
 
+def _untouched(session: Session) -> bool:
+    return not session.in_transaction() and not (session.new or session.dirty or session.deleted)
+
+
 # scope="function": commit before the response is sent, so a client that reads right after sees the change.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
-
-async def get_tenant(request: Request, session: SessionDep) -> Tenant:
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key:
-        raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
-    tenant = cached_tenant(key) or await run_in_threadpool(tenant_for_key, session, key)
-    if tenant is None:
-        raise Unauthorized("Incorrect API key provided", code="invalid_api_key")
-    return tenant
+T = TypeVar("T")
 
 
-TenantDep = Annotated[Tenant, Depends(get_tenant)]
+async def read_only(url: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
+    """``fn(connection, **kwargs)`` through ``api.db.read`` (autocommit, one round trip a statement), in one trip
+    through the threadpool, within a ``session_slot``. For the hot reads, a job poll above all: a request session
+    costs a second trip to close it, a pre-ping and a BEGIN/COMMIT pair, about twice the CPU of the read itself."""
+    async with session_slot(url):
+        return await run_in_threadpool(read, url, fn, **kwargs)
 
 
 @lru_cache
@@ -100,7 +134,7 @@ def _store(url: str, endpoint_url: str | None) -> ArtifactStore:
     return store_from_url(url, endpoint_url=endpoint_url)
 
 
-def get_store(settings: SettingsDep) -> ArtifactStore:
+async def get_store(settings: SettingsDep) -> ArtifactStore:  # async: no I/O, so no trip through a thread
     return _store(settings.artifacts_url, settings.s3_endpoint_url)
 
 

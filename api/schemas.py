@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy import Row
 
 from api import ids
 from api.orm import Checkpoint, File, Job, JobEvent
@@ -159,7 +160,7 @@ class FineTuningJob(BaseModel):
     total_steps: int | None
 
     @classmethod
-    def from_row(cls, row: Job) -> FineTuningJob:
+    def from_row(cls, row: Job | Row[Any]) -> FineTuningJob:
         method = row.spec.get("method", {})
         hp = method.get(method.get("type", ""), {}).get("hyperparameters", {})
         return cls(

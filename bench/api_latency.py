@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
@@ -93,6 +94,43 @@ def seed(env: dict[str, str], n_metrics: int) -> tuple[str, str]:
         values = {f"metric/{i}": float(i) for i in range(24)}  # about the width of a real GRPO step
         s.add_all(JobMetric(job_id=job.id, step=i, values=values) for i in range(1, n_metrics + 1))
         return key, job.id
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (``/proc/PID/stat``), 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree(pid: int) -> list[int]:
+    """The process and its descendants (uvicorn's worker processes)."""
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [q for c in (task / "children").read_text().split() for q in _tree(int(c))]
+    return out
+
+
+def _named(name: str) -> list[int]:
+    pids = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        with contextlib.suppress(OSError):
+            if comm.read_text().strip() == name:
+                pids.append(int(comm.parent.name))
+    return pids
+
+
+def cpu_sample(server_pid: int | None, generator_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far of the API server (with its worker processes), of PostgreSQL (every ``postgres``
+    process: the backends serving the API and the rest) and of the load generator."""
+    return {
+        "server": sum(_cpu_seconds(p) for p in _tree(server_pid)) if server_pid else 0.0,
+        "postgres": sum(_cpu_seconds(p) for p in _named("postgres")),
+        "generator": _cpu_seconds(generator_pid) if generator_pid else 0.0,
+    }
 
 
 def loadavg() -> list[float]:
@@ -211,6 +249,7 @@ def measure(
     windows: int,
     warmup: float,
     max_connections: int,
+    server_pid: int | None = None,
 ) -> list[dict[str, Any]]:
     """One continuous load of `warmup + windows * seconds` from a fresh process (spawned: it imports neither the
     API nor torch), reported per window of `seconds` by due time; the warm-up window comes first, labelled."""
@@ -221,9 +260,11 @@ def measure(
     p.start()
     time.sleep(warmup)
     loads = [loadavg()]
+    cpus = [cpu_sample(server_pid, p.pid)]
     for _ in range(windows):  # the load average as the windows go by (it is a 1-minute average: a rough guide)
         time.sleep(seconds)
         loads.append(loadavg())
+        cpus.append(cpu_sample(server_pid, p.pid))
     res = q.get()
     p.join()
     reqs = res["requests"]
@@ -240,8 +281,14 @@ def measure(
         stats["achieved_rps"] = round(sum(1 for r in reqs if lo <= r[0] + r[1] < hi) / (hi - lo), 1)
         stats["window"] = "warm-up" if warmup > 0 and i == 0 else f"{lo:g}-{hi:g} s"
         out.append(stats)
-    for stats, (before, after) in zip(out[-windows:], itertools.pairwise(loads), strict=True):
+    for stats, (before, after), (c0, c1) in zip(
+        out[-windows:], itertools.pairwise(loads), itertools.pairwise(cpus), strict=True
+    ):
         stats["loadavg_before"], stats["loadavg_after"] = before, after
+        # CPU per answered request over the window (sampled by wall clock, so a bound within a few requests).
+        answered = max(1.0, stats["achieved_rps"] * seconds)
+        for who in ("server", "postgres", "generator"):
+            stats[f"{who}_cpu_ms_per_req"] = round((c1[who] - c0[who]) * 1000 / answered, 3)
     out[-windows]["connections"] = res["connections"]
     return out
 
@@ -292,7 +339,9 @@ def summary(label: str, windows: list[dict[str, Any]]) -> str:
     return (
         f"{label}: {len(windows)} windows, achieved {span('achieved_rps')} req/s, p50 {span('p50_ms')} ms, "
         f"p90 {span('p90_ms')} ms, p99 {span('p99_ms')} ms, max {span('max_ms')} ms, non-200 {span('non_200')}, "
-        f"generator late p99 {span('late_p99_ms')} ms, load average {min(loads):g}–{max(loads):g}"
+        f"generator late p99 {span('late_p99_ms')} ms, load average {min(loads):g}–{max(loads):g}; CPU per request: "
+        f"server {span('server_cpu_ms_per_req')} ms, PostgreSQL {span('postgres_cpu_ms_per_req')} ms, "
+        f"generator {span('generator_cpu_ms_per_req')} ms"
     )
 
 
@@ -341,6 +390,7 @@ def main() -> None:
 
         job_path = f"/v1/fine_tuning/jobs/{job_id}"
         job_load = dict(rate=args.rate, seconds=args.seconds, windows=args.windows, warmup=args.warmup, **load)
+        job_load["server_pid"] = server.pid
         windows = measure(base, key, job_path, **job_load)
         tables = maintenance(db)
         results["autovacuum"] = tables
@@ -352,7 +402,15 @@ def main() -> None:
         label = f"GET metrics ({args.metrics_rows} rows)"
         metrics_path = f"/v1/fine_tuning/jobs/{job_id}/metrics"
         results[label] = measure(
-            base, key, metrics_path, rate=args.metrics_rate, seconds=args.seconds, windows=1, warmup=0, **load
+            base,
+            key,
+            metrics_path,
+            rate=args.metrics_rate,
+            seconds=args.seconds,
+            windows=1,
+            warmup=0,
+            server_pid=server.pid,
+            **load,
         )
         print(f"{label}: {json.dumps(results[label][0])}", flush=True)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import Text, cast, or_, select, tuple_, update
+from sqlalchemy import Connection, Row, Text, bindparam, cast, inspect, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from api import ids
@@ -24,6 +24,19 @@ def add(session: Session, *, row: Job) -> Job:
 
 def get(session: Session, *, tenant_id: str, job_id: str) -> Job | None:
     return session.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id))
+
+
+# The job's row with its columns under the ORM's attribute names (``metadata_`` for the ``metadata`` column), which
+# reads like a ``Job`` without the ORM's per-row work. Built once: building a select of 27 labelled columns costs
+# more CPU than running it (0.25 ms a call on the 2-core CI machine).
+_JOB_ROW = select(*(column.label(attr.key) for attr in inspect(Job).column_attrs for column in attr.columns)).where(
+    Job.id == bindparam("job_id"), Job.tenant_id == bindparam("tenant_id")
+)
+
+
+def get_row(conn: Connection, *, tenant_id: str, job_id: str) -> Row[Any] | None:
+    """``get`` on a plain connection (the hot job read, ``api.db.read``): a row with ``Job``'s attribute names."""
+    return conn.execute(_JOB_ROW, {"job_id": job_id, "tenant_id": tenant_id}).one_or_none()
 
 
 def page(

@@ -11,8 +11,9 @@ from typing import BinaryIO, Literal
 from sqlalchemy.orm import Session
 
 from api import ids
+from api.auth import Caller
 from api.errors import InvalidRequest, NotFound, PayloadTooLarge
-from api.orm import File, Tenant, now
+from api.orm import File, now
 from api.repositories import files as files_repo
 from api.schemas import FILE_PURPOSES
 from api.storage import ArtifactStore, TooLarge
@@ -85,7 +86,7 @@ def upload(
     *,
     session: Session,
     store: ArtifactStore,
-    tenant: Tenant,
+    tenant: Caller,
     source: BinaryIO,
     filename: str,
     purpose: str,
@@ -129,7 +130,7 @@ def upload(
         raise
 
 
-def get(*, session: Session, tenant: Tenant, file_id: str) -> File:
+def get(*, session: Session, tenant: Caller, file_id: str) -> File:
     row = files_repo.get(session, tenant_id=tenant.id, file_id=file_id)
     if row is None:
         raise NotFound("file", file_id, param="file_id")
@@ -139,7 +140,7 @@ def get(*, session: Session, tenant: Tenant, file_id: str) -> File:
 def page(
     *,
     session: Session,
-    tenant: Tenant,
+    tenant: Caller,
     purpose: str | None,
     after: str | None,
     limit: int,
@@ -153,7 +154,7 @@ def page(
     return files_repo.page(session, tenant_id=tenant.id, purpose=purpose, after=cursor, limit=limit, order=order)
 
 
-def delete(*, session: Session, store: ArtifactStore, tenant: Tenant, file_id: str) -> File:
+def delete(*, session: Session, store: ArtifactStore, tenant: Caller, file_id: str) -> File:
     """Mark the file deleted and remove its bytes (as with OpenAI, a queued job that needs it will fail)."""
     row = get(session=session, tenant=tenant, file_id=file_id)
     files_repo.mark_deleted(session, row=row)
@@ -161,7 +162,7 @@ def delete(*, session: Session, store: ArtifactStore, tenant: Tenant, file_id: s
     return row
 
 
-def open_content(*, session: Session, store: ArtifactStore, tenant: Tenant, file_id: str) -> tuple[File, BinaryIO]:
+def open_content(*, session: Session, store: ArtifactStore, tenant: Caller, file_id: str) -> tuple[File, BinaryIO]:
     """The file's row and an open stream over its bytes (the caller closes it)."""
     row = get(session=session, tenant=tenant, file_id=file_id)
     try:

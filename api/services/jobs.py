@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from celery import Celery  # type: ignore[import-untyped]
+from sqlalchemy import Connection, Row
 from sqlalchemy.orm import Session
 
 from api import ids
+from api.auth import Caller
 from api.errors import Conflict, InvalidRequest, NotFound
-from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Rollout, Tenant, now
+from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Rollout, now
 from api.repositories import files as files_repo
 from api.repositories import jobs as jobs_repo
 from api.schemas import TERMINAL_STATUSES, JobCreate
@@ -107,7 +109,7 @@ def _spec_input(body: JobCreate) -> dict[str, Any]:
     return raw
 
 
-def _dataset_file(session: Session, *, tenant: Tenant, file_id: str, param: str) -> File:
+def _dataset_file(session: Session, *, tenant: Caller, file_id: str, param: str) -> File:
     row = files_repo.get(session, tenant_id=tenant.id, file_id=file_id)
     if row is None:  # another tenant's file does not exist either
         raise InvalidRequest(f"No such file: '{file_id}'", param=param, code="file_not_found")
@@ -151,7 +153,7 @@ def reward_model_refs(grader: dict[str, Any], path: str) -> list[tuple[str, dict
     return out
 
 
-def _resolve_reward_models(session: Session, *, tenant: Tenant, spec_json: dict[str, Any]) -> None:
+def _resolve_reward_models(session: Session, *, tenant: Caller, spec_json: dict[str, Any]) -> None:
     """A reward_model grader names a succeeded ``reward_model`` job of the same tenant, by its id or its
     fine-tuned model name; the stored spec names it by job id, which the worker turns into a local folder."""
     mtype = spec_json["method"]["type"]
@@ -186,7 +188,7 @@ def _resolve_reward_models(session: Session, *, tenant: Tenant, spec_json: dict[
         leaf["model"] = job.id
 
 
-def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant: Tenant, body: JobCreate) -> Job:
+def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant: Caller, body: JobCreate) -> Job:
     """Validate the spec and the files, write the job and enqueue it.
 
     Unlike other services this one commits (through the request's session) before publishing, because a worker
@@ -262,17 +264,25 @@ def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant
 # -- read -----------------------------------------------------------------------------------------------------
 
 
-def get(*, session: Session, tenant: Tenant, job_id: str) -> Job:
+def get(*, session: Session, tenant: Caller, job_id: str) -> Job:
     job = jobs_repo.get(session, tenant_id=tenant.id, job_id=job_id)
     if job is None:
         raise NotFound("fine-tuning job", job_id, param="fine_tuning_job_id")
     return job
 
 
+def get_view(*, conn: Connection, tenant: Caller, job_id: str) -> Row[Any]:
+    """``get`` for the read-only path (``api.db.read``): the job's row, with ``Job``'s attribute names."""
+    row = jobs_repo.get_row(conn, tenant_id=tenant.id, job_id=job_id)
+    if row is None:
+        raise NotFound("fine-tuning job", job_id, param="fine_tuning_job_id")
+    return row
+
+
 def page(
     *,
     session: Session,
-    tenant: Tenant,
+    tenant: Caller,
     after: str | None,
     limit: int,
     metadata: Mapping[str, str] | None,
@@ -293,7 +303,7 @@ def page(
 _NOT_STARTED = ("validating_files", "queued", "paused")
 
 
-def cancel(*, session: Session, tenant: Tenant, job_id: str) -> Job:
+def cancel(*, session: Session, tenant: Caller, job_id: str) -> Job:
     """A job no worker runs is cancelled now; a running one is asked to stop (the worker ends it within a step)."""
     job = get(session=session, tenant=tenant, job_id=job_id)
     if job.status in TERMINAL_STATUSES:
@@ -323,7 +333,7 @@ def cancel(*, session: Session, tenant: Tenant, job_id: str) -> Job:
     return job
 
 
-def pause(*, session: Session, tenant: Tenant, job_id: str) -> Job:
+def pause(*, session: Session, tenant: Caller, job_id: str) -> Job:
     """A queued job pauses now; a running one pauses at its next checkpoint (the worker sets ``paused``)."""
     job = get(session=session, tenant=tenant, job_id=job_id)
     if job.status == "paused" or (job.status == "running" and job.pause_requested):
@@ -341,7 +351,7 @@ def pause(*, session: Session, tenant: Tenant, job_id: str) -> Job:
     return job
 
 
-def resume(*, session: Session, settings: Settings, tenant: Tenant, job_id: str) -> Job:
+def resume(*, session: Session, settings: Settings, tenant: Caller, job_id: str) -> Job:
     """A paused job is queued again (and continues from its latest checkpoint); a pending pause is withdrawn."""
     job = get(session=session, tenant=tenant, job_id=job_id)
     if job.status == "running":
@@ -363,7 +373,7 @@ def resume(*, session: Session, settings: Settings, tenant: Tenant, job_id: str)
 
 
 def events(
-    *, session: Session, tenant: Tenant, job_id: str, after: str | None, limit: int
+    *, session: Session, tenant: Caller, job_id: str, after: str | None, limit: int
 ) -> tuple[list[JobEvent], bool]:
     job = get(session=session, tenant=tenant, job_id=job_id)
     cursor = None
@@ -375,7 +385,7 @@ def events(
 
 
 def checkpoints(
-    *, session: Session, tenant: Tenant, job_id: str, after: str | None, limit: int
+    *, session: Session, tenant: Caller, job_id: str, after: str | None, limit: int
 ) -> tuple[Job, list[Checkpoint], bool]:
     job = get(session=session, tenant=tenant, job_id=job_id)
     cursor = None
@@ -388,7 +398,7 @@ def checkpoints(
 
 
 def metrics(
-    *, session: Session, tenant: Tenant, job_id: str, after_step: int | None, limit: int | None
+    *, session: Session, tenant: Caller, job_id: str, after_step: int | None, limit: int | None
 ) -> tuple[list[JobMetric], bool]:
     job = get(session=session, tenant=tenant, job_id=job_id)
     rows = jobs_repo.metrics(session, job_id=job.id, after_step=after_step, limit=None if limit is None else limit + 1)
@@ -398,7 +408,7 @@ def metrics(
 
 
 def rollouts(
-    *, session: Session, tenant: Tenant, job_id: str, step: int | None
+    *, session: Session, tenant: Caller, job_id: str, step: int | None
 ) -> tuple[int | None, list[int], list[Rollout]]:
     """(step shown, steps with rollouts, the step's rollouts); the latest step when none is asked for."""
     job = get(session=session, tenant=tenant, job_id=job_id)
@@ -412,7 +422,7 @@ def rollouts(
 
 
 def open_adapter(
-    *, session: Session, store: ArtifactStore, tenant: Tenant, job_id: str, checkpoint_id: str
+    *, session: Session, store: ArtifactStore, tenant: Caller, job_id: str, checkpoint_id: str
 ) -> tuple[Job, Checkpoint, BinaryIO]:
     """The checkpoint's PEFT adapter archive, open for streaming (the caller closes it)."""
     job = get(session=session, tenant=tenant, job_id=job_id)

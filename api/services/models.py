@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from api.auth import Caller
 from api.errors import NotFound
-from api.orm import Tenant
 from api.repositories import jobs as jobs_repo
 from api.schemas import ModelObject
 from api.settings import Settings
@@ -13,7 +13,7 @@ from api.settings import Settings
 OWNER = "proxima"
 
 
-def list_models(*, session: Session, settings: Settings, tenant: Tenant) -> list[ModelObject]:
+def list_models(*, session: Session, settings: Settings, tenant: Caller) -> list[ModelObject]:
     base = [ModelObject(id=name, created=0, owned_by=OWNER) for name in settings.base_models]
     tuned = [
         ModelObject(id=name, created=created, owned_by=tenant.id)
@@ -22,7 +22,7 @@ def list_models(*, session: Session, settings: Settings, tenant: Tenant) -> list
     return base + tuned
 
 
-def get_model(*, session: Session, settings: Settings, tenant: Tenant, model_id: str) -> ModelObject:
+def get_model(*, session: Session, settings: Settings, tenant: Caller, model_id: str) -> ModelObject:
     for model in list_models(session=session, settings=settings, tenant=tenant):
         if model.id == model_id:
             return model

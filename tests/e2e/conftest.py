@@ -81,9 +81,9 @@ def create_pg_database() -> str:
 def drop_pg_database(url: str) -> None:
     import psycopg2  # type: ignore[import-untyped]
 
-    from api.db import engine_for
+    from api.db import dispose_engines
 
-    engine_for(url).dispose()
+    dispose_engines(url)
     name = url.rsplit("/", 1)[1]
     conn = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
     conn.autocommit = True

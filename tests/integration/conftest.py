@@ -118,7 +118,7 @@ def serve(app: Any) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
     """A fresh database migrated to head, dropped at the end."""
-    from api.db import engine_for
+    from api.db import dispose_engines
     from api.migrate import upgrade
 
     name = f"proxima_test_{secrets.token_hex(6)}"
@@ -131,7 +131,7 @@ def pg_url() -> Iterator[str]:
         upgrade(url)
         yield url
     finally:
-        engine_for(url).dispose()
+        dispose_engines(url)
         with admin.cursor() as cur:
             cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.close()
