@@ -48,10 +48,12 @@ def _install_log_record_factory() -> None:
 
 
 class RequestIdMiddleware:
-    """Echo the client's ``x-request-id`` (or make one), expose it to log records, log one line per request."""
+    """Echo the client's ``x-request-id`` (or make one), expose it to log records, log one line per request (at
+    info) and a warning for a request slower than ``slow_ms``."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, slow_ms: float) -> None:
         self.app = app
+        self.slow_ms = slow_ms
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -75,7 +77,10 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            log.info("%s %s %d %.1fms", scope["method"], scope["path"], status, (time.perf_counter() - start) * 1e3)
+            ms = (time.perf_counter() - start) * 1e3
+            log.info("%s %s %d %.1fms", scope["method"], scope["path"], status, ms)
+            if ms > self.slow_ms:
+                log.warning("slow request %s: %s %s %d %.1fms", rid, scope["method"], scope["path"], status, ms)
             request_id.reset(token)
 
 
@@ -140,7 +145,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router)
     dashboard.install(app)
     app.add_middleware(UploadGuardMiddleware, max_upload_bytes=settings.max_upload_bytes)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, slow_ms=settings.slow_request_ms)
     # Routes read the settings from here (api.deps.SettingsDep). Not through app.dependency_overrides: while any
     # override is set, FastAPI re-inspects every dependency's signature on every request (a fifth of a job read).
     app.state.settings = settings

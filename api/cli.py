@@ -129,10 +129,15 @@ def serving_app() -> Any:
     scanned; what requests allocate is collected as before.
     """
     import gc
+    import logging
 
     from api.app import create_app
 
-    app = create_app(_settings())
+    settings = _settings()
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(request_id)s %(message)s"
+    )
+    app = create_app(settings)
     gc.collect()
     gc.freeze()
     return app

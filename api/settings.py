@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,6 +26,12 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
     lease_seconds: float = Field(30.0, gt=0, description="a worker's claim on a job expires after this")
     run_migrations: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning", description="of `proxima serve`'s log on stderr; `info` adds a line per request"
+    )
+    slow_request_ms: float = Field(
+        1000.0, gt=0, description="a request that takes longer is logged as a warning, with its request id"
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import multiprocessing as mp
@@ -31,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -133,6 +135,34 @@ def cpu_sample(server_pid: int | None, generator_pid: int | None) -> dict[str, f
     }
 
 
+def steal_seconds() -> float:
+    """CPU time the hypervisor gave to others while this VM's CPUs wanted to run (``/proc/stat``'s steal, all CPUs)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
+class StealSampler(threading.Thread):
+    """Samples ``steal_seconds`` every 50 ms, to see whether a stall was the machine's host taking the CPUs."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.samples.append((time.time(), steal_seconds()))
+            self.stop.wait(0.05)
+
+    def between(self, t0: float, t1: float) -> float:
+        """Steal seconds from the last sample at or before t0 to the first at or after t1."""
+        before = [v for t, v in self.samples if t <= t0]
+        after = [v for t, v in self.samples if t >= t1]
+        if not before or not after:
+            return float("nan")
+        return after[0] - before[-1]
+
+
 def loadavg() -> list[float]:
     """The 1, 5 and 15 minute load averages: how busy the shared machine was (2 cores: 2.0 is full)."""
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
@@ -198,22 +228,29 @@ async def open_loop(
         done.append((due - start, time.perf_counter() - due, late, status))
         release(conn)
 
-    tasks = []
+    in_flight: set[asyncio.Task[None]] = set()  # only the unfinished: a finished task is dropped at once
     start = time.perf_counter() + 0.01
+    start_wall = time.time() + (start - time.perf_counter())
     for i in range(int(rate * seconds)):
         due = start + i / rate
         delay = due - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(due)))
-    await asyncio.gather(*tasks)
+        task = asyncio.create_task(one(due))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+    await asyncio.gather(*in_flight)
     elapsed = time.perf_counter() - start
     for _, writer in idle:
         writer.close()
-    return {"requests": done, "elapsed": elapsed, "connections": opened}
+    return {"requests": done, "elapsed": elapsed, "connections": opened, "start_wall": start_wall}
 
 
 def _load_process(base: str, key: str, path: str, rate: float, seconds: float, max_connections: int, out: Any) -> None:
+    # No garbage collection in the generator: its per-request records (tens of thousands of tuples) made gen-2
+    # collections that held it up to 90 ms, and it sent late (``late_max_ms``), which reads as the server's latency.
+    # It makes no reference cycles worth collecting in a run of minutes.
+    gc.disable()
     host, port = base.removeprefix("http://").split(":")
     out.put(
         asyncio.run(open_loop(host, int(port), path, key, rate=rate, seconds=seconds, max_connections=max_connections))
@@ -235,6 +272,7 @@ def window_stats(requests: list[tuple[float, float, float, int]], seconds: float
         "p99_ms": round(pct(lat, 99), 2),
         "max_ms": round(max(lat), 2),
         "late_p99_ms": round(pct([r[2] * 1000 for r in requests], 99), 2),
+        "late_max_ms": round(max(r[2] for r in requests) * 1000, 2),
         "n": len(requests),
     }
 
@@ -256,7 +294,8 @@ def measure(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_load_process, args=(base, key, path, rate, warmup + windows * seconds, max_connections, q))
-    t0_wall = time.time()  # the generator's own t = 0 is up to a second later (its spawn): a bound, not a stamp
+    steal = StealSampler()
+    steal.start()
     p.start()
     time.sleep(warmup)
     loads = [loadavg()]
@@ -267,7 +306,10 @@ def measure(
         cpus.append(cpu_sample(server_pid, p.pid))
     res = q.get()
     p.join()
+    steal.stop.set()
+    steal.join()
     reqs = res["requests"]
+    t0_wall = res["start_wall"]  # the generator's t = 0, as wall-clock time
     out = []
     bounds = [(0.0, warmup)] if warmup > 0 else []
     bounds += [(warmup + i * seconds, warmup + (i + 1) * seconds) for i in range(windows)]
@@ -276,7 +318,13 @@ def measure(
         stats = window_stats(inside, hi - lo)
         stats["wall_start"] = t0_wall + lo
         stats["wall_end"] = t0_wall + hi
-        stats["slowest_at_s"] = round(max(inside, key=lambda r: r[1])[0] - lo, 2) if inside else None
+        stats["steal_ms"] = round(steal.between(t0_wall + lo, t0_wall + hi) * 1000, 1)
+        if inside:
+            slowest = max(inside, key=lambda r: r[1])
+            stats["slowest_at_s"] = round(slowest[0] - lo, 2)
+            # Steal while the slowest request was in flight (50 ms sampling: the sample just before to just after).
+            at = t0_wall + slowest[0]
+            stats["steal_during_slowest_ms"] = round(steal.between(at, at + slowest[1]) * 1000, 1)
         # Answers completed in the window: below the offered rate when the server falls behind.
         stats["achieved_rps"] = round(sum(1 for r in reqs if lo <= r[0] + r[1] < hi) / (hi - lo), 1)
         stats["window"] = "warm-up" if warmup > 0 and i == 0 else f"{lo:g}-{hi:g} s"
@@ -339,7 +387,8 @@ def summary(label: str, windows: list[dict[str, Any]]) -> str:
     return (
         f"{label}: {len(windows)} windows, achieved {span('achieved_rps')} req/s, p50 {span('p50_ms')} ms, "
         f"p90 {span('p90_ms')} ms, p99 {span('p99_ms')} ms, max {span('max_ms')} ms, non-200 {span('non_200')}, "
-        f"generator late p99 {span('late_p99_ms')} ms, load average {min(loads):g}–{max(loads):g}; CPU per request: "
+        f"generator late p99 {span('late_p99_ms')} ms, load average {min(loads):g}–{max(loads):g}, "
+        f"steal {span('steal_ms')} ms a window; CPU per request: "
         f"server {span('server_cpu_ms_per_req')} ms, PostgreSQL {span('postgres_cpu_ms_per_req')} ms, "
         f"generator {span('generator_cpu_ms_per_req')} ms"
     )

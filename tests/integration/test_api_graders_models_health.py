@@ -136,6 +136,25 @@ class TestHealth:
             getattr(r, "request_id", None) == "trace-me" and "/healthz" in r.getMessage() for r in caplog.records
         )
 
+    def test_a_request_slower_than_the_threshold_is_a_warning_naming_its_request_id(
+        self, settings: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        from api.app import create_app
+
+        def warnings() -> list[str]:
+            return [
+                r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "slow request" in r.getMessage()
+            ]
+
+        with caplog.at_level("WARNING", logger="proxima.api.access"):
+            with TestClient(create_app(settings)) as client:  # the default threshold: 1 s
+                client.get("/healthz", headers={"x-request-id": "quick"})
+            assert warnings() == []
+            with TestClient(create_app(settings.model_copy(update={"slow_request_ms": 1e-6}))) as client:
+                client.get("/healthz", headers={"x-request-id": "slow-one"})
+        [message] = warnings()
+        assert message.startswith("slow request slow-one: GET /healthz 200 "), message
+
     def test_openapi_docs_are_served(self, anon: httpx.Client) -> None:
         assert anon.get("/docs").status_code == 200
         paths = anon.get("/openapi.json").json()["paths"]
