@@ -16,14 +16,18 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors
 from api.errors import envelope
 from api.routes import dashboard, files, graders, health, jobs, models
+from api.services import jobs as jobs_service
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("proxima.api.access")
+startup_log = logging.getLogger("proxima.api")
 
 REQUEST_ID_HEADER = "x-request-id"
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -131,6 +135,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             from api.migrate import upgrade
 
             upgrade(settings.db_url)
+        try:
+            await run_in_threadpool(jobs_service.warm_up_reads, settings.db_url)
+        except SQLAlchemyError as err:  # not migrated yet, or the database is down: /readyz says which
+            startup_log.warning("the database reads were not warmed up: %s", err)
         yield
 
     app = FastAPI(

@@ -154,13 +154,13 @@ class StealSampler(threading.Thread):
             self.samples.append((time.time(), steal_seconds()))
             self.stop.wait(0.05)
 
-    def between(self, t0: float, t1: float) -> float:
-        """Steal seconds from the last sample at or before t0 to the first at or after t1."""
+    def between_ms(self, t0: float, t1: float) -> float | None:
+        """Steal milliseconds from the last sample at or before t0 to the first at or after t1 (None: not sampled)."""
         before = [v for t, v in self.samples if t <= t0]
         after = [v for t, v in self.samples if t >= t1]
         if not before or not after:
-            return float("nan")
-        return after[0] - before[-1]
+            return None
+        return round((after[0] - before[-1]) * 1000, 1)
 
 
 def loadavg() -> list[float]:
@@ -318,13 +318,13 @@ def measure(
         stats = window_stats(inside, hi - lo)
         stats["wall_start"] = t0_wall + lo
         stats["wall_end"] = t0_wall + hi
-        stats["steal_ms"] = round(steal.between(t0_wall + lo, t0_wall + hi) * 1000, 1)
+        stats["steal_ms"] = steal.between_ms(t0_wall + lo, t0_wall + hi)
         if inside:
             slowest = max(inside, key=lambda r: r[1])
             stats["slowest_at_s"] = round(slowest[0] - lo, 2)
             # Steal while the slowest request was in flight (50 ms sampling: the sample just before to just after).
             at = t0_wall + slowest[0]
-            stats["steal_during_slowest_ms"] = round(steal.between(at, at + slowest[1]) * 1000, 1)
+            stats["steal_during_slowest_ms"] = steal.between_ms(at, at + slowest[1])
         # Answers completed in the window: below the offered rate when the server falls behind.
         stats["achieved_rps"] = round(sum(1 for r in reqs if lo <= r[0] + r[1] < hi) / (hi - lo), 1)
         stats["window"] = "warm-up" if warmup > 0 and i == 0 else f"{lo:g}-{hi:g} s"

@@ -113,3 +113,31 @@ def test_a_read_that_fails_for_another_reason_is_not_run_again(settings: Any) ->
     with pytest.raises(ProgrammingError):
         dbm.read(settings.db_url, bad)
     assert calls == [1]
+
+
+def test_a_new_api_process_opens_its_read_connection_at_start_not_at_the_first_poll(settings: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+
+    # Its own engine (another URL), so that no earlier test's connection is in the pool.
+    fresh = settings.model_copy(update={"database_url": f"{settings.db_url}?application_name=warm-up"})
+    try:
+        assert dbm.read_engine_for(fresh.db_url).pool.checkedin() == 0  # type: ignore[attr-defined]
+        with TestClient(create_app(fresh)):
+            assert dbm.read_engine_for(fresh.db_url).pool.checkedin() == 1  # type: ignore[attr-defined]
+    finally:
+        dbm.dispose_engines(fresh.db_url)
+
+
+def test_an_api_whose_database_is_not_migrated_still_starts_with_a_warning(
+    settings: Any, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+
+    empty = settings.model_copy(update={"database_url": f"sqlite:///{tmp_path / 'empty.db'}"})
+    with caplog.at_level("WARNING", logger="proxima.api"), TestClient(create_app(empty)) as client:
+        assert client.get("/healthz").status_code == 200
+    assert any("not warmed up" in r.getMessage() for r in caplog.records)
