@@ -308,6 +308,7 @@ def measure(
     p.join()
     steal.stop.set()
     steal.join()
+    steal.samples.append((time.time(), steal_seconds()))  # the last window ends after the sampler's last tick
     reqs = res["requests"]
     t0_wall = res["start_wall"]  # the generator's t = 0, as wall-clock time
     out = []
@@ -380,7 +381,10 @@ def summary(label: str, windows: list[dict[str, Any]]) -> str:
     """Ranges over the measured windows (never the best one alone)."""
 
     def span(k: str) -> str:
-        lo, hi = min(r[k] for r in windows), max(r[k] for r in windows)
+        values = [r[k] for r in windows if r[k] is not None]
+        if not values:
+            return "?"
+        lo, hi = min(values), max(values)
         return f"{lo:g}" if lo == hi else f"{lo:g}–{hi:g}"
 
     loads = [x for r in windows for x in (r["loadavg_before"][0], r["loadavg_after"][0])]

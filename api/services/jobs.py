@@ -26,7 +26,7 @@ from api import ids
 from api.auth import Caller, tenant_for_key
 from api.db import read, session_scope
 from api.errors import Conflict, InvalidRequest, NotFound
-from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Rollout, now
+from api.orm import Checkpoint, File, Job, JobEvent, Rollout, now
 from api.repositories import files as files_repo
 from api.repositories import jobs as jobs_repo
 from api.schemas import TERMINAL_STATUSES, JobCreate
@@ -408,7 +408,7 @@ def checkpoints(
 
 def metrics(
     *, session: Session, tenant: Caller, job_id: str, after_step: int | None, limit: int | None
-) -> tuple[list[JobMetric], bool]:
+) -> tuple[list[Row[Any]], bool]:
     job = get(session=session, tenant=tenant, job_id=job_id)
     rows = jobs_repo.metrics(session, job_id=job.id, after_step=after_step, limit=None if limit is None else limit + 1)
     if limit is not None and len(rows) > limit:
