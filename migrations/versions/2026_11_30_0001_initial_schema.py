@@ -147,7 +147,6 @@ def upgrade() -> None:
         batch_op.create_index("ix_rollouts_job_step", ["job_id", "step"], unique=False)
 
 
-
 def downgrade() -> None:
     with op.batch_alter_table("rollouts", schema=None) as batch_op:
         batch_op.drop_index("ix_rollouts_job_step")
