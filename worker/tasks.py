@@ -384,9 +384,7 @@ class _Runner:
             return "lost"
         if final is not None and final["type"] == "done" and rc == 0:
             if final["stopped"]:
-                # A cancel asked while the run was stopping for a pause still wins: the user's last word is cancel.
-                reason = "cancel" if cancel else (stop_reason or "pause")
-                return self._stopped(reason, final["last_step"])
+                return self._stopped(stopped_as(stop_reason, cancel_now=cancel), final["last_step"])
             return self._succeed()
         if cancel:
             return self._stopped("cancel", None)
@@ -583,6 +581,13 @@ class _Runner:
                 runs.add_event(s, job_id=self.job_id, level="error", message=f"The job failed: {message}")
         log.warning("job %s failed (%s): %s", self.job_id, code, message)
         return "failed"
+
+
+def stopped_as(stop_reason: str | None, *, cancel_now: bool) -> str:
+    """What a run that stopped early at a step boundary ends as (``cancel`` or ``pause``), given the reason it was
+    told to stop for and whether a cancel is set when it has stopped. A cancel asked while the run was stopping for a
+    pause still wins: the user's last word is cancel."""
+    return "cancel" if cancel_now else (stop_reason or "pause")
 
 
 def metrics_csv(rows: Sequence[tuple[int, Mapping[str, float | None]]]) -> bytes:
