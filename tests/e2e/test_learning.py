@@ -167,14 +167,14 @@ def test_ppo_against_a_reward_model_trained_on_preferences_raises_accuracy(
                 "ppo": {
                     "grader": grader,
                     "hyperparameters": {
-                        "max_steps": 40,
+                        "max_steps": 60,
                         "batch_size": 16,
                         "group_size": 4,
                         "iterations_per_batch": 2,
                         "learning_rate": 3e-4,
                         "value_learning_rate": 1e-3,
                         "max_completion_tokens": 6,
-                        "checkpoint_interval": 40,
+                        "checkpoint_interval": 60,
                         "rollouts_logged": 0,
                     },
                     "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
@@ -194,6 +194,8 @@ def test_ppo_against_a_reward_model_trained_on_preferences_raises_accuracy(
         f"{sum(rm_reward[:5]) / 5:.2f} → {sum(rm_reward[-5:]) / 5:.2f}; "
         f"held-out greedy accuracy {base:.3f} → {final:.3f}"
     )
-    # The reward model is right on ~0.8 of held-out pairs, so PPO climbs an imperfect proxy: measured 0.390 → 0.515.
-    # 200 problems give a standard error of ~0.035 per accuracy; 0.08 is well outside noise.
+    # The reward model is right on ~0.8-0.9 of held-out pairs, so PPO climbs an imperfect proxy: measured 0.390 → 0.515
+    # in 40 steps on the AMX Xeon's bf16 tiny-arith build. The fp32 build of an AVX2-only CPU learns slower: 40 steps
+    # gave 0.370 → 0.440, 60 steps 0.370 → 0.480 (seed 1: 0.370 → 0.560). 200 problems give a standard error of
+    # ~0.035 per accuracy; 0.08 is well outside noise.
     assert final - base >= 0.08, f"rlhf: {base:.3f} → {final:.3f}"
