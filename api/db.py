@@ -95,14 +95,14 @@ def read(url: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
     """``fn(connection, **kwargs)`` on a ``read_engine_for`` connection: statements that only read, each its own
     transaction. A connection that PostgreSQL closed while it sat in the pool (a restart, an idle timeout) fails on
     first use; SQLAlchemy then invalidates it and the pool's older connections, and the read runs once more."""
-    for attempt in (1, 2):
-        try:
-            with read_engine_for(url).connect() as conn:
-                return fn(conn, **kwargs)
-        except DBAPIError as err:
-            if attempt == 2 or not err.connection_invalidated:
-                raise
-    raise AssertionError("unreachable")
+    try:
+        with read_engine_for(url).connect() as conn:
+            return fn(conn, **kwargs)
+    except DBAPIError as err:
+        if not err.connection_invalidated:
+            raise
+    with read_engine_for(url).connect() as conn:
+        return fn(conn, **kwargs)
 
 
 @contextmanager
