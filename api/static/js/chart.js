@@ -38,7 +38,8 @@ export class LineChart {
    * @param {object} o
    * @param {string} o.id            data-chart of the figure
    * @param {string} o.title
-   * @param {{key: string, label: string, band?: string}[]} o.series  one line each; `band` names a std series
+   * @param {{key: string, label: string, band?: string, description?: string}[]} o.series  one line each; `band`
+   *   names a std series; `description` (the trainer's) shows on hovering the legend
    * @param {string} [o.sync]        charts with the same key share the hovered step
    * @param {number} [o.height]
    */
@@ -56,7 +57,8 @@ export class LineChart {
       const value = h("span", { class: "legend-value" });
       const swatch = h("i", { class: "swatch", "aria-hidden": "true" });
       swatch.style.background = PALETTE[i % PALETTE.length];
-      this.legend.append(h("li", { title: s.key }, swatch, h("span", { class: "legend-label", text: s.label }), value));
+      const title = s.description ? `${s.key}: ${s.description}` : s.key;
+      this.legend.append(h("li", { title }, swatch, h("span", { class: "legend-label", text: s.label }), value));
       return value;
     });
     this.area = h("div", { class: "chart-area" });

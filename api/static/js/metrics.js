@@ -1,90 +1,125 @@
-// Which charts a job page shows, from the metric names its series hold (the vocabulary is trainer/metrics.py).
-// A fixed, preferred set comes first in a sensible order; a chart whose series are all absent is not shown; every
-// other numeric series gets its own chart under "Other metrics", so names added later are drawn without a change
-// here.
+// Which charts a job page shows, from the metric names its series hold. The names come from ./vocabulary.js, which
+// the server generates from trainer/metrics.py (the trainer's one definition of them): a name it does not define is
+// an import error at load, not a chart that stays empty. A fixed, preferred set comes first in a sensible order; a
+// chart whose series are all absent is not shown; every other numeric series gets its own chart under "Other
+// metrics", so names added to the trainer later are drawn without a change here.
 
-const SUB_REWARD = /^reward\/(.+)\/mean$/;
-const VAL_SUB_REWARD = /^val\/reward\/(.+)\/mean$/;
+import {
+  CLIP_FRAC_DUAL,
+  CLIP_FRAC_HIGH,
+  CLIP_FRAC_LOW,
+  COMPLETION_LEN_MAX,
+  COMPLETION_LEN_MEAN,
+  ENTROPY_MEAN,
+  EXPLAINED_VARIANCE,
+  KL_MEAN,
+  LOSS_POLICY,
+  LOSS_TOTAL,
+  LOSS_VALUE,
+  NON_SCORE_REWARD,
+  RETURNS_MEAN,
+  REWARD_MEAN,
+  REWARD_OF_GRADER,
+  REWARD_STD,
+  TOKENS_PER_S_GENERATION,
+  TOKENS_PER_S_TRAINING,
+  VAL_LOSS,
+  VAL_REWARD_MEAN,
+  VAL_REWARD_OF_GRADER,
+  VALUE_CLIP_FRAC,
+  VALUE_MEAN,
+  VOCABULARY,
+} from "./vocabulary.js";
+
+const DEFINED = new Map(VOCABULARY.metrics.map((m) => [m.name, m]));
+const FAMILIES = VOCABULARY.families.map((f) => ({ ...f, re: new RegExp(f.regex) }));
+
+/** The trainer's description of a metric name (with its unit), or null for a name it does not define. */
+export function describe(name) {
+  const def = DEFINED.get(name) ?? FAMILIES.find((f) => f.re.test(name));
+  if (!def) return null;
+  return def.unit ? `${def.description} (${def.unit})` : def.description;
+}
 
 /** The preferred charts, in page order. `series[].band` names a std series drawn as a ±band around the mean;
- * `match` adds one series per metric whose name matches (the capture is its label). */
+ * `family` (from the vocabulary) adds one series per metric of that family, labelled with its parameter. */
 export const PREFERRED = [
-  { id: "reward", title: "Reward", series: [{ key: "reward/mean", label: "mean", band: "reward/std" }] },
-  { id: "reward-graders", title: "Reward by grader", series: [], match: SUB_REWARD, except: ["reward/mean"] },
+  { id: "reward", title: "Reward", series: [{ key: REWARD_MEAN, label: "mean", band: REWARD_STD }] },
+  { id: "reward-graders", title: "Reward by grader", series: [], family: REWARD_OF_GRADER },
   {
     id: "val-reward",
     title: "Validation reward",
-    series: [{ key: "val/reward/mean", label: "mean" }],
-    match: VAL_SUB_REWARD,
+    series: [{ key: VAL_REWARD_MEAN, label: "mean" }],
+    family: VAL_REWARD_OF_GRADER,
   },
-  { id: "non-score-reward", title: "Non-score reward (KL penalty)", series: [{ key: "reward/non_score", label: "non-score" }] },
-  { id: "kl", title: "KL to reference", series: [{ key: "kl/mean", label: "mean" }] },
-  { id: "entropy", title: "Entropy", series: [{ key: "entropy/mean", label: "mean" }] },
+  { id: "non-score-reward", title: "Non-score reward (KL penalty)", series: [{ key: NON_SCORE_REWARD, label: "non-score" }] },
+  { id: "kl", title: "KL to reference", series: [{ key: KL_MEAN, label: "mean" }] },
+  { id: "entropy", title: "Entropy", series: [{ key: ENTROPY_MEAN, label: "mean" }] },
   {
     id: "clip-frac",
     title: "Clip fraction",
     series: [
-      { key: "clip_frac/low", label: "low" },
-      { key: "clip_frac/high", label: "high" },
-      { key: "clip_frac/dual", label: "dual" },
+      { key: CLIP_FRAC_LOW, label: "low" },
+      { key: CLIP_FRAC_HIGH, label: "high" },
+      { key: CLIP_FRAC_DUAL, label: "dual" },
     ],
   },
   {
     id: "completion-len",
     title: "Completion length (tokens)",
     series: [
-      { key: "completion_len/mean", label: "mean" },
-      { key: "completion_len/max", label: "max" },
+      { key: COMPLETION_LEN_MEAN, label: "mean" },
+      { key: COMPLETION_LEN_MAX, label: "max" },
     ],
   },
-  { id: "loss-policy", title: "Policy loss", series: [{ key: "loss/policy", label: "policy" }] },
-  { id: "loss-value", title: "Value loss", series: [{ key: "loss/value", label: "value" }] },
+  { id: "loss-policy", title: "Policy loss", series: [{ key: LOSS_POLICY, label: "policy" }] },
+  { id: "loss-value", title: "Value loss", series: [{ key: LOSS_VALUE, label: "value" }] },
   {
-    id: "loss-train",
+    id: "loss",
     title: "Loss",
     series: [
-      { key: "loss/train", label: "train" },
-      { key: "loss/val", label: "validation" },
+      { key: LOSS_TOTAL, label: "train" },
+      { key: VAL_LOSS, label: "validation" },
     ],
   },
   {
     id: "value",
     title: "Value and returns",
     series: [
-      { key: "value/mean", label: "value" },
-      { key: "returns/mean", label: "returns" },
+      { key: VALUE_MEAN, label: "value" },
+      { key: RETURNS_MEAN, label: "returns" },
     ],
   },
   {
     id: "value-explained-variance",
     title: "Value explained variance",
-    series: [{ key: "value/explained_variance", label: "explained var." }],
+    series: [{ key: EXPLAINED_VARIANCE, label: "explained var." }],
   },
-  { id: "value-clip-frac", title: "Value clip fraction", series: [{ key: "value/clip_frac", label: "clipped" }] },
+  { id: "value-clip-frac", title: "Value clip fraction", series: [{ key: VALUE_CLIP_FRAC, label: "clipped" }] },
   {
     id: "throughput",
     title: "Throughput (tokens/s)",
     series: [
-      { key: "throughput/generation_tokens_per_s", label: "generation" },
-      { key: "throughput/training_tokens_per_s", label: "training" },
+      { key: TOKENS_PER_S_GENERATION, label: "generation" },
+      { key: TOKENS_PER_S_TRAINING, label: "training" },
     ],
   },
 ];
 
 /** The charts for a set of metric names: {preferred: [chart], other: [chart]}; each chart is
- * {id, title, series: [{key, label, band?}]} with only the series present. */
+ * {id, title, series: [{key, label, band?, description}]} with only the series present. */
 export function planCharts(names) {
   const present = new Set(names);
   const used = new Set();
   const preferred = [];
+  const withDescription = (s) => ({ ...s, description: describe(s.key) });
   for (const spec of PREFERRED) {
-    const series = spec.series.filter((s) => present.has(s.key));
-    if (spec.match) {
+    const series = spec.series.filter((s) => present.has(s.key)).map(withDescription);
+    if (spec.family) {
+      const re = new RegExp(spec.family.regex);
       for (const name of [...present].sort()) {
-        const m = spec.match.exec(name);
-        if (m && !(spec.except ?? []).includes(name) && !series.some((s) => s.key === name)) {
-          series.push({ key: name, label: m[1] });
-        }
+        const m = re.exec(name);
+        if (m && !series.some((s) => s.key === name)) series.push(withDescription({ key: name, label: m[1] }));
       }
     }
     for (const s of series) {
@@ -96,7 +131,7 @@ export function planCharts(names) {
   const other = [...present]
     .filter((name) => !used.has(name))
     .sort()
-    .map((name) => ({ id: `metric:${name}`, title: name, series: [{ key: name, label: name }] }));
+    .map((name) => ({ id: `metric:${name}`, title: name, series: [withDescription({ key: name, label: name })] }));
   return { preferred, other };
 }
 
