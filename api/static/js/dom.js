@@ -1,6 +1,8 @@
 // Small DOM and formatting helpers. Every piece of data goes into the page as text (textContent), never as HTML:
 // completions, prompts and event messages are user- or model-written.
 
+import { TERMINAL, statusLabel } from "./status.js";
+
 /** h("a", {href, class, onClick, dataset: {...}}, ...children): an element; children are nodes, strings or arrays. */
 export function h(tag, props = {}, ...children) {
   const el = document.createElement(tag);
@@ -90,11 +92,8 @@ export const now = () => Date.now() / 1000;
 
 // -- jobs ------------------------------------------------------------------------------------------------------
 
-export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
-export const STATUSES = ["validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled"];
-
 export function statusBadge(status) {
-  return h("span", { class: `badge badge-${status}`, text: status.replace("_", " ") });
+  return h("span", { class: `badge badge-${status}`, text: statusLabel(status) });
 }
 
 export const methodOf = (job) => job?.method?.type ?? "–";

@@ -3,10 +3,12 @@
 
 import { api, listAll } from "../api.js";
 import { LineChart, PALETTE } from "../chart.js";
-import { TERMINAL, fmtNum, focusHeading, h, methodOf, poller, shortId } from "../dom.js";
+import { fmtNum, focusHeading, h, methodOf, poller, shortId, statusBadge } from "../dom.js";
 import { Series } from "../metrics.js";
+import { TERMINAL } from "../status.js";
+import { REWARD_MEAN } from "../vocabulary.js";
 
-const DEFAULT_METRIC = "reward/mean";
+const DEFAULT_METRIC = REWARD_MEAN;
 const MAX_JOBS_LISTED = 200;
 
 export function mountCompare(main, params) {
@@ -84,7 +86,7 @@ export function mountCompare(main, params) {
           box,
           h("span", { class: "mono", text: shortId(id) }),
           job?.suffix ? h("span", { class: "muted", text: ` ${job.suffix}` }) : null,
-          job ? h("span", { class: `badge badge-${job.status}`, text: job.status.replace("_", " ") }) : null,
+          job ? statusBadge(job.status) : null,
         );
       }),
     );

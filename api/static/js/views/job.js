@@ -5,7 +5,6 @@
 import { api, download } from "../api.js";
 import { LineChart } from "../chart.js";
 import {
-  TERMINAL,
   announce,
   clear,
   fmtClock,
@@ -22,11 +21,12 @@ import {
   statusBadge,
 } from "../dom.js";
 import { Series, planCharts } from "../metrics.js";
+import { PAUSABLE, PAUSED, TERMINAL } from "../status.js";
+import { REWARD_MEAN } from "../vocabulary.js";
 
 const POLL_MS = 2000;
 const EVENTS_PAGE = 100;
 const EVENTS_BACKFILL_PAGES = 3; // older pages read at once when the newest hold few events besides step events
-const PAUSABLE = new Set(["validating_files", "queued", "running"]);
 
 export function mountJob(main, { jobId }) {
   document.title = `${jobId} · Proxima`;
@@ -155,7 +155,7 @@ export function mountJob(main, { jobId }) {
     }
     cancelBtn.disabled = TERMINAL.has(job.status);
     pauseBtn.disabled = !PAUSABLE.has(job.status);
-    resumeBtn.disabled = job.status !== "paused";
+    resumeBtn.disabled = job.status !== PAUSED;
     specPre.textContent = JSON.stringify(
       {
         model: job.model,
@@ -227,7 +227,7 @@ export function mountJob(main, { jobId }) {
       ...items.map((c) => {
         const button = h("button", { type: "button", class: "btn btn-small", text: "Download", "aria-label": `Download the adapter of step ${c.step_number}` });
         button.addEventListener("click", () => downloading(button, `${base}/checkpoints/${c.id}/adapter`, `${jobId}-step-${c.step_number}-adapter.tar.gz`));
-        const reward = c.metrics["reward/mean"];
+        const reward = c.metrics[REWARD_MEAN];
         return h(
           "tr",
           { dataset: { checkpoint: c.id } },

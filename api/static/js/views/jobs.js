@@ -3,8 +3,6 @@
 
 import { api } from "../api.js";
 import {
-  STATUSES,
-  TERMINAL,
   clear,
   fmtDuration,
   fmtNum,
@@ -14,7 +12,10 @@ import {
   jobDuration,
   methodOf,
   poller,
+  statusBadge,
 } from "../dom.js";
+import { STATUSES, TERMINAL, statusLabel } from "../status.js";
+import { REWARD_MEAN } from "../vocabulary.js";
 
 const PAGE = 100;
 const MAX_JOBS = 1000; // the list endpoint's largest page: refresh what is loaded in one request
@@ -29,7 +30,7 @@ export function mountJobs(main, params) {
     "select",
     { id: "filter-status", name: "status" },
     h("option", { value: "", text: "All statuses" }),
-    STATUSES.map((s) => h("option", { value: s, text: s.replace("_", " ") })),
+    STATUSES.map((s) => h("option", { value: s, text: statusLabel(s) })),
   );
   const methodSelect = h("select", { id: "filter-method", name: "method" }, h("option", { value: "", text: "All methods" }));
   const search = h("input", { id: "filter-text", type: "search", placeholder: "id, model, suffix…", autocomplete: "off" });
@@ -142,7 +143,7 @@ export function mountJobs(main, params) {
     }
     const c = r.cells;
     if (r.status !== job.status) {
-      c.status.replaceChildren(h("span", { class: `badge badge-${job.status}`, text: job.status.replace("_", " ") }));
+      c.status.replaceChildren(statusBadge(job.status));
       r.status = job.status;
     }
     c.method.textContent = methodOf(job);
@@ -187,7 +188,7 @@ export function mountJobs(main, params) {
         try {
           const page = await api(`/fine_tuning/jobs/${job.id}/metrics?after_step=${job.current_step - 1}&limit=1`);
           const point = page.data[0];
-          const value = point?.metrics["reward/mean"];
+          const value = point?.metrics[REWARD_MEAN];
           latest.set(job.id, { step: job.current_step, value: typeof value === "number" ? value : null });
         } catch {
           // shown as "–"; retried on the next refresh

@@ -2,7 +2,8 @@
 // policy learns (and whether it games the reward). Follows the latest step while the job runs.
 
 import { api } from "../api.js";
-import { TERMINAL, clear, fmtNum, focusHeading, h, poller, statusBadge } from "../dom.js";
+import { clear, fmtNum, focusHeading, h, poller, statusBadge } from "../dom.js";
+import { TERMINAL } from "../status.js";
 
 const SORTS = {
   sampled: { label: "as sampled", cmp: null },
