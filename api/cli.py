@@ -466,9 +466,9 @@ def _accuracy_with_and_without(adapter_dir: Path, data: Path, grader_obj: dict[s
     from trainer import graders, tiny_arith
     from trainer.cli import resolve_model
     from trainer.data import load_prompts
+    from trainer.encoding import encode_prompts
     from trainer.evaluate import evaluate
     from trainer.models import default_device, load_adapter, load_base_model, load_tokenizer, resolve_precision
-    from trainer.rollout import encode_prompts
 
     g = graders.parse_grader(grader_obj)
     items = load_prompts(data, grader=g)

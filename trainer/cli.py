@@ -153,9 +153,9 @@ def eval_cmd(
     """Mean reward of a model (and adapter) on a dataset."""
     import torch
 
+    from trainer.encoding import PromptTooLongError, encode_prompts
     from trainer.evaluate import evaluate
     from trainer.models import default_device, load_adapter, load_base_model, load_tokenizer, resolve_precision
-    from trainer.rollout import PromptTooLongError, encode_prompts
 
     try:
         g = graders.parse_grader(_read_json(grader))

@@ -14,7 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer import graders
-from trainer.core_algos import AGGREGATIONS, KL_ESTIMATORS
+from trainer.names import AggregationName, DPOLossType, KLEstimatorName
+from trainer.recipes import RECIPES
 
 
 class SpecError(ValueError):
@@ -100,8 +101,8 @@ class RLHyperparameters(Hyperparameters):
     epsilon_high: float = Field(0.2, gt=0)
     dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c (Ye et al. 2019); off by default")
     beta: float = Field(0.04, ge=0, description="KL coefficient; 0 skips the reference pass")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "seq_mean_token_mean"
+    kl_estimator: KLEstimatorName = "k3"
+    loss_aggregation: AggregationName = "seq_mean_token_mean"
     mask_truncated_completions: bool = False
     rollouts_logged: int = Field(4, ge=0, description="sampled rollouts written per step")
 
@@ -118,9 +119,7 @@ class DrGRPOHyperparameters(RLHyperparameters):
     """Dr. GRPO (arXiv 2503.20783): A = r − mean_g, token sum over the constant B·L_max, no KL."""
 
     beta: float = Field(0.0, ge=0)
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
-        "seq_mean_token_sum_norm"
-    )
+    loss_aggregation: AggregationName = "seq_mean_token_sum_norm"
 
 
 class DAPOHyperparameters(RLHyperparameters):
@@ -129,7 +128,7 @@ class DAPOHyperparameters(RLHyperparameters):
 
     epsilon_high: float = Field(0.28, gt=0)
     beta: float = Field(0.0, ge=0)
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    loss_aggregation: AggregationName = "token_mean"
     std_eps: float = Field(1e-4, gt=0)
     dynamic_sampling: bool = True
     max_sampling_batches: int = Field(4, ge=1, description="rollout batches drawn at most to fill one step")
@@ -142,7 +141,7 @@ class RLOOHyperparameters(RLHyperparameters):
     (sequence-level ratio), KL as k1 summed into the reward with β = 0.05 (TRL's default)."""
 
     beta: float = Field(0.05, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_estimator: KLEstimatorName = "k1"
 
 
 class ReinforceHyperparameters(RLHyperparameters):
@@ -150,10 +149,8 @@ class ReinforceHyperparameters(RLHyperparameters):
     KL as k1 in the reward, off by default."""
 
     beta: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
-        "seq_mean_token_sum_norm"
-    )
+    kl_estimator: KLEstimatorName = "k1"
+    loss_aggregation: AggregationName = "seq_mean_token_sum_norm"
     baseline: Literal["none", "batch_mean"] = "batch_mean"
 
 
@@ -166,8 +163,8 @@ class PPOHyperparameters(RLHyperparameters):
     group_size: int = Field(1, ge=1, description="samples per prompt; the value model is the baseline")
     iterations_per_batch: int = Field(4, ge=1, description="PPO epochs over each rollout batch (TRL: 4)")
     beta: float = Field(0.05, ge=0, description="KL coefficient (TRL's kl_coef); the initial one when adaptive")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    kl_estimator: KLEstimatorName = "k1"
+    loss_aggregation: AggregationName = "token_mean"
     target_kl: float | None = Field(None, gt=0, description="adaptive KL controller's target; None: β is fixed")
     kl_horizon: int = Field(10000, ge=1, description="adaptive KL controller's horizon in samples")
     gamma: float = Field(1.0, ge=0, le=1)
@@ -206,7 +203,7 @@ class DPOHyperparameters(Hyperparameters):
     learning_rate: float = Field(5e-5, gt=0, le=1.0)
     beta: float = Field(0.1, gt=0)
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    loss_type: Literal["sigmoid", "robust", "ipo", "hinge"] = "sigmoid"
+    loss_type: DPOLossType = "sigmoid"
     max_length: int = Field(1024, ge=2, description="tokens of prompt plus completion; longer pairs are refused")
 
 
@@ -360,8 +357,6 @@ def _parse_method(raw: Any) -> MethodSpec:
 
 
 def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
-    from trainer.recipes import RECIPES  # recipes import this module's hyperparameter models
-
     recipe = RECIPES[method]
     if recipe.needs_group and hp.group_size < 2:
         raise SpecError(
@@ -380,7 +375,6 @@ def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
             f"batch_size × group_size = {rollout} is not divisible into {hp.mini_batches} mini-batches",
             param=f"{where}.mini_batches",
         )
-    assert hp.loss_aggregation in AGGREGATIONS and hp.kl_estimator in KL_ESTIMATORS
     if isinstance(hp, PPOHyperparameters) and hp.critic == "policy_trunk" and hp.value_model is not None:
         raise SpecError(
             "critic 'policy_trunk' puts the value head on the policy's own hidden states: it takes no value_model",

@@ -18,17 +18,27 @@ from typing import Generic, Literal, TypeVar
 import torch
 from torch import Tensor
 
+from trainer import names
+
 F = TypeVar("F", bound=Callable[..., object])
 
 
 class Registry(Generic[F]):
-    """Name → function. ``get`` of an unknown name raises ``KeyError`` naming the valid choices."""
+    """Name → function. ``get`` of an unknown name raises ``KeyError`` naming the valid choices.
 
-    def __init__(self, kind: str) -> None:
+    The names are declared up front (``trainer.names``, which torch-free code validates against): registering an
+    undeclared name fails, and :meth:`check_complete`, called once this module has registered everything, fails on a
+    declared name without a function."""
+
+    def __init__(self, kind: str, declared: tuple[str, ...]) -> None:
         self.kind = kind
+        self.declared = declared
         self._items: dict[str, F] = {}
 
     def register(self, name: str) -> Callable[[F], F]:
+        if name not in self.declared:
+            raise ValueError(f"{self.kind} {name!r} is not declared in trainer.names")
+
         def deco(fn: F) -> F:
             if name in self._items:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
@@ -36,6 +46,13 @@ class Registry(Generic[F]):
             return fn
 
         return deco
+
+    def check_complete(self) -> None:
+        missing = [n for n in self.declared if n not in self._items]
+        if missing:
+            raise ValueError(
+                f"{self.kind} {', '.join(map(repr, missing))} declared in trainer.names but not registered"
+            )
 
     def get(self, name: str) -> F:
         try:
@@ -109,7 +126,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("kl estimator")
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("kl estimator", names.KL_ESTIMATORS)
 
 
 @KL_ESTIMATORS.register("k1")
@@ -155,7 +172,7 @@ class AdvantageOptions:
 
 
 AdvantageEstimator = Callable[[Tensor, AdvantageOptions], Tensor]
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", names.ADVANTAGE_ESTIMATORS)
 
 
 def _group_stats(rewards: Tensor) -> tuple[Tensor, Tensor]:
@@ -236,7 +253,7 @@ class PolicyLossOutput:
 
 
 PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, ClipOptions], PolicyLossOutput]
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", names.POLICY_LOSSES)
 
 
 def _clipped_surrogate(
@@ -313,7 +330,7 @@ class LossScale:
 
 
 Aggregation = Callable[[Tensor, Tensor, LossScale], Tensor]
-AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation", names.AGGREGATIONS)
 
 
 @AGGREGATIONS.register("token_mean")
@@ -468,7 +485,7 @@ class PairwiseOptions:
 
 
 PairwiseLoss = Callable[[Tensor, Tensor, PairwiseOptions], Tensor]
-PAIRWISE_LOSSES: Registry[PairwiseLoss] = Registry("pairwise loss")
+PAIRWISE_LOSSES: Registry[PairwiseLoss] = Registry("pairwise loss", names.PAIRWISE_LOSSES)
 """(chosen, rejected, options) → the loss of every pair [B]; the batch loss is its mean. For ``bradley_terry`` the
 inputs are the reward model's scores r_c, r_r; for the ``dpo_*`` losses they are the policy-to-reference log-ratios
 Δ_c = log π(y_c|x) − log π_ref(y_c|x) and Δ_r, each a sum over the completion's tokens."""
@@ -516,3 +533,8 @@ def pairwise_dpo_ipo(chosen: Tensor, rejected: Tensor, opts: PairwiseOptions) ->
 def pairwise_dpo_hinge(chosen: Tensor, rejected: Tensor, opts: PairwiseOptions) -> Tensor:
     """max(0, 1 − β·u), u = Δ_c − Δ_r, per pair [B] (SLiC, Zhao et al. arXiv 2305.10425; TRL's ``hinge``)."""
     return torch.relu(1 - opts.beta * (chosen - rejected))
+
+
+# Last in the module: every name declared in ``trainer.names`` has its function by now.
+for _registry in (KL_ESTIMATORS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AGGREGATIONS, PAIRWISE_LOSSES):
+    _registry.check_complete()

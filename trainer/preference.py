@@ -31,7 +31,8 @@ from trainer import metrics as M
 from trainer.callbacks import Callback
 from trainer.config import DPOHyperparameters, JobSpec, RewardModelHyperparameters, SpecError
 from trainer.core_algos import PAIRWISE_LOSSES, PairwiseOptions, cosine_or_constant_lr, masked_sum
-from trainer.data import EncodedPair, PromptSampler, completion_batch, encode_preferences, load_preferences
+from trainer.data import load_preferences
+from trainer.encoding import EncodedPair, PromptSampler, completion_batch, encode_preferences
 from trainer.models import (
     ModelError,
     Precision,

@@ -5,6 +5,9 @@ The preference methods (reward_model, dpo) and supervised have their own loops (
 
 The hyperparameter model of each method (``trainer.config``) carries the paper's defaults for the knobs a user can
 turn (clip range, β, aggregation, ...); the row fixes what makes the method itself.
+
+Rows name their parts by the names declared in ``trainer.names`` (checked here, without torch, so that the service can
+read the recipes); ``trainer.core_algos`` holds the functions under the same names.
 """
 
 from __future__ import annotations
@@ -12,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.core_algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from trainer import names
 
 
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    advantage: str  # key of ADVANTAGE_ESTIMATORS, or "gae" for a method with a value model
-    policy_loss: str  # key of POLICY_LOSSES
+    advantage: str  # a name of names.ADVANTAGE_ESTIMATORS, or "gae" for a method with a value model
+    policy_loss: str  # a name of names.POLICY_LOSSES
     kl_placement: Literal["loss", "reward"]  # β·KL added to the per-token loss, or −β·Σ_t KL to the reward
     needs_group: bool  # the baseline compares samples of one prompt: G ≥ 2
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups and sample more (hyperparameter can turn it off)
@@ -31,8 +34,8 @@ class Recipe:
         if self.critic:
             assert self.advantage == "gae" and self.kl_placement == "reward", "a critic's advantages are GAE's"
         else:
-            ADVANTAGE_ESTIMATORS.get(self.advantage)
-        POLICY_LOSSES.get(self.policy_loss)
+            names.check_name("advantage estimator", self.advantage, names.ADVANTAGE_ESTIMATORS)
+        names.check_name("policy loss", self.policy_loss, names.POLICY_LOSSES)
 
 
 RECIPES: dict[str, Recipe] = {

@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrai
 
 from trainer import graders
 from trainer.config import LoraSpec
-from trainer.data import completion_batch, encode_completion
+from trainer.encoding import completion_batch, encode_completion
 from trainer.models import (
     ModelError,
     Precision,

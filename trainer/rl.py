@@ -55,7 +55,8 @@ from trainer.core_algos import (
     value_loss_clipped,
 )
 from trainer.critic import Critic
-from trainer.data import DatasetError, PromptItem, PromptSampler, load_prompts
+from trainer.data import DatasetError, PromptItem, load_prompts
+from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts
 from trainer.evaluate import decode_completions, evaluate, grade_batch
 from trainer.models import (
     MergedSampler,
@@ -73,10 +74,8 @@ from trainer.models import (
 )
 from trainer.recipes import RECIPES, Recipe
 from trainer.rollout import (
-    PromptTooLongError,
     Rollout,
     completion_logprobs,
-    encode_prompts,
     generate,
     left_pad,
     micro_slices,

@@ -1,4 +1,4 @@
-"""Rollouts: prompt encoding, batched sampling with a KV cache, and per-token log-probs.
+"""Rollouts: batched sampling with a KV cache and per-token log-probs (prompts are encoded by ``trainer.encoding``).
 
 Layout of a batch: prompts left-padded to ``P`` tokens, completions right-padded to ``C`` tokens. The completion mask
 covers the tokens up to and including the first EOS and is built from generation lengths, never from token values
@@ -14,39 +14,9 @@ from typing import Literal, overload
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedTokenizerBase
 
 from trainer.core_algos import entropy_from_logits, selective_log_softmax
-from trainer.data import PromptItem
 from trainer.models import Precision, autocast
-
-
-class PromptTooLongError(ValueError):
-    def __init__(self, item: PromptItem, n_tokens: int, limit: int) -> None:
-        super().__init__(f"the prompt has {n_tokens} tokens, more than max_prompt_tokens = {limit}")
-        self.item = item
-
-
-def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
-    """The tokenizer's chat template when it has one, else the contents joined by newlines."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert isinstance(text, str)
-        return text
-    return "\n".join(m["content"] for m in messages)
-
-
-def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, items: Sequence[PromptItem], *, max_prompt_tokens: int
-) -> list[list[int]]:
-    """Token ids of each prompt (special tokens come from the chat template, none are added again)."""
-    out: list[list[int]] = []
-    for item in items:
-        ids = tokenizer(prompt_text(tokenizer, item.messages), add_special_tokens=False)["input_ids"]
-        if len(ids) > max_prompt_tokens:
-            raise PromptTooLongError(item, len(ids), max_prompt_tokens)
-        out.append(list(ids))
-    return out
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:

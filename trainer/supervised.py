@@ -28,12 +28,12 @@ from trainer import metrics as M
 from trainer.callbacks import Callback
 from trainer.config import JobSpec, SpecError, SupervisedHyperparameters
 from trainer.core_algos import AGGREGATIONS, LossScale, cosine_or_constant_lr, selective_log_softmax
-from trainer.data import (
+from trainer.data import load_supervised
+from trainer.encoding import (
     EncodedExample,
     LengthGroupedSampler,
     PromptSampler,
     encode_supervised,
-    load_supervised,
     pack_examples,
 )
 from trainer.models import (

@@ -109,10 +109,10 @@ def test_ppo_with_a_value_model_raises_heldout_greedy_accuracy(
 
 def _greedy_accuracy(model_dir: Path, adapter: Path | None, validation: Path) -> float:
     from trainer.data import load_prompts
+    from trainer.encoding import encode_prompts
     from trainer.evaluate import evaluate
     from trainer.graders import parse_grader
     from trainer.models import default_device, load_adapter, load_base_model, load_tokenizer
-    from trainer.rollout import encode_prompts
 
     grader = parse_grader(ACCURACY)
     items = load_prompts(validation, grader=grader)

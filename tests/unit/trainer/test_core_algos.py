@@ -69,7 +69,7 @@ def test_registry_unknown_name_raises_key_error_listing_valid_names(registry: Re
 
 
 def test_registry_registering_a_name_twice_raises() -> None:
-    reg: Registry = Registry("thing")
+    reg: Registry = Registry("thing", ("a",))
     reg.register("a")(lambda: 1)
     with pytest.raises(ValueError, match="registered twice"):
         reg.register("a")(lambda: 2)

@@ -12,16 +12,18 @@ from transformers import PreTrainedTokenizerFast
 
 from trainer.data import (
     DatasetError,
-    LengthGroupedSampler,
     PreferenceItem,
+    load_preferences,
+    load_supervised,
+    parse_preference_line,
+    parse_supervised_line,
+)
+from trainer.encoding import (
+    LengthGroupedSampler,
     encode_completion,
     encode_preferences,
     encode_supervised,
-    load_preferences,
-    load_supervised,
     pack_examples,
-    parse_preference_line,
-    parse_supervised_line,
 )
 from trainer.tiny_arith import build_tokenizer
 

@@ -13,7 +13,8 @@ from transformers import AutoModelForSequenceClassification, PreTrainedTokenizer
 
 from trainer import graders
 from trainer.config import LoraSpec, parse_spec
-from trainer.data import PromptItem, completion_batch, encode_completion
+from trainer.data import PromptItem
+from trainer.encoding import completion_batch, encode_completion
 from trainer.evaluate import grade_batch
 from trainer.models import add_lora, load_base_model, load_tokenizer
 from trainer.reward_model import (
