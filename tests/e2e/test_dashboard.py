@@ -20,6 +20,8 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 
+from trainer import metrics as M
+
 from .dashboard_support import (
     CHROMIUM,
     DashboardServer,
@@ -132,6 +134,11 @@ def count(points: list[dict[str, Any]], name: str) -> int:
     return sum(name in p["metrics"] for p in points)
 
 
+def vocabulary_names(grader: str) -> list[str]:
+    """Every name of the trainer's vocabulary, with each family's series for one sub-grader."""
+    return [*M.METRICS, *(family.name(grader) for family in M.FAMILIES)]
+
+
 def test_root_redirects_and_a_wrong_key_is_refused_then_the_jobs_table_lists_the_tenants_jobs(
     page: Page, deployment: Deployment
 ) -> None:
@@ -172,19 +179,26 @@ def test_job_page_charts_have_one_point_per_step_the_metrics_endpoint_returns(
     d = deployment
     d.wait(d.short, lambda j: j["status"] == "succeeded", "the short job to succeed")
     points = metrics(d.api, d.short)
-    assert count(points, "reward/mean") == SHORT_STEPS
+    assert count(points, M.REWARD_MEAN) == SHORT_STEPS
+    # What the page is fed: a real run's names, all of them the trainer's vocabulary.
+    assert sorted({n for p in points for n in p["metrics"] if not M.is_known(n)}) == []
 
     sign_in(page, d, d.key_a)
     go(page, d, f"jobs/{d.short}")
     expect(page.get_by_role("heading", name=d.short)).to_be_visible()
     expect(page.locator("#charts")).to_have_attribute("data-steps", str(len(points)))
-    expect(chart(page, "reward")).to_have_attribute("data-points", str(count(points, "reward/mean")))
-    expect(chart(page, "val-reward")).to_have_attribute("data-points", str(count(points, "val/reward/mean")))
-    expect(chart(page, "kl")).to_have_attribute("data-points", str(count(points, "kl/mean")))
+    expect(chart(page, "reward")).to_have_attribute("data-points", str(count(points, M.REWARD_MEAN)))
+    expect(chart(page, "val-reward")).to_have_attribute("data-points", str(count(points, M.VAL_REWARD_MEAN)))
+    expect(chart(page, "kl")).to_have_attribute("data-points", str(count(points, M.KL_MEAN)))
+    expect(chart(page, "loss")).to_have_attribute("data-points", str(count(points, M.LOSS_TOTAL)))
     # One curve per named sub-grader; names outside the preferred set get their own chart.
-    expect(chart(page, "reward-graders")).to_have_attribute("data-series", "reward/exact/mean reward/sim/mean")
-    expect(chart(page, "metric:grad_norm")).to_have_attribute("data-points", str(count(points, "grad_norm")))
+    graders = f"{M.reward_of('exact')} {M.reward_of('sim')}"
+    expect(chart(page, "reward-graders")).to_have_attribute("data-series", graders)
+    expect(chart(page, f"metric:{M.GRAD_NORM}")).to_have_attribute("data-points", str(count(points, M.GRAD_NORM)))
     expect(chart(page, "reward").locator(".chart-legend")).to_contain_text("±")
+    # The trainer's description of a series, on hovering its legend entry.
+    description = f"{M.REWARD_MEAN}: {M.METRICS[M.REWARD_MEAN].description}"
+    expect(chart(page, "reward").locator(".chart-legend li").first).to_have_attribute("title", description)
     expect(page.locator(".badge-slot")).to_have_text("succeeded")
     expect(page.locator("ol.events")).to_contain_text("The job has successfully completed")
     expect(page.locator("pre.spec")).to_contain_text('"calculate_output": "0.7 * sim + 0.3 * exact"')
@@ -267,9 +281,9 @@ def test_compare_overlays_one_metric_of_several_jobs(page: Page, deployment: Dep
     expect(overlay).to_have_attribute("data-series", f"{d.short} {d.long}")
     expect(overlay).to_have_attribute("data-points", str(SHORT_STEPS))  # the first series: the short job's steps
     expect(overlay.locator(".chart-legend li")).to_have_count(2)
-    expect(page.get_by_label("Metric")).to_have_value("reward/mean")
-    page.get_by_label("Metric").select_option("kl/mean")
-    expect(overlay.locator(".chart-title")).to_have_text("kl/mean")
+    expect(page.get_by_label("Metric")).to_have_value(M.REWARD_MEAN)
+    page.get_by_label("Metric").select_option(M.KL_MEAN)
+    expect(overlay.locator(".chart-title")).to_have_text(M.KL_MEAN)
     assert "metric=kl%2Fmean" in page.url or "metric=kl/mean" in page.url
     expect(page.locator("table.compare-table tbody tr")).to_have_count(2)
     screenshot(page, "compare")
@@ -372,10 +386,30 @@ def test_tenant_b_sees_none_of_tenant_a_jobs(page: Page, deployment: Deployment)
     assert "short" not in page.locator("main").inner_text()
 
 
-def test_chart_plan_draws_known_series_in_their_charts_and_any_other_numeric_series_under_other_metrics(
+def test_every_series_the_dashboard_plans_is_in_the_trainers_vocabulary(page: Page, deployment: Deployment) -> None:
+    """The chart plan as the browser loads it: every key and band is a name the trainer defines, every family one of
+    its families. (An unknown name cannot even load: the plan imports its names from the generated vocabulary.)"""
+    page.goto(deployment.dashboard)
+    planned = page.evaluate(
+        """async () => {
+            const { PREFERRED } = await import("./js/metrics.js");
+            return {
+                keys: PREFERRED.flatMap((c) => c.series.flatMap((s) => (s.band ? [s.key, s.band] : [s.key]))),
+                families: PREFERRED.filter((c) => c.family).map((c) => c.family.pattern),
+            };
+        }"""
+    )
+    assert len(planned["keys"]) >= 20
+    assert [key for key in planned["keys"] if key not in M.METRICS] == []
+    assert sorted(planned["families"]) == sorted(family.pattern for family in M.FAMILIES)
+
+
+def test_chart_plan_puts_the_vocabulary_in_its_charts_and_any_other_numeric_series_under_other_metrics(
     page: Page, deployment: Deployment
 ) -> None:
-    """The plan is generic: PPO's and the preference methods' names find their charts, unknown names get their own."""
+    """Fed every name the trainer can emit (all methods at once), the plan draws each preferred chart with its series
+    in order; the rest, and a name the dashboard has never heard of, get a chart each under "Other metrics"."""
+    names = [*vocabulary_names("acc"), "custom/metric"]
     page.goto(deployment.dashboard)
     plan = page.evaluate(
         """async (names) => {
@@ -386,37 +420,26 @@ def test_chart_plan_draws_known_series_in_their_charts_and_any_other_numeric_ser
                 other: other.map((c) => c.id),
             };
         }""",
-        [
-            "reward/mean",
-            "reward/std",
-            "reward/acc/mean",
-            "val/reward/mean",
-            "val/reward/acc/mean",
-            "reward/non_score",
-            "kl/mean",
-            "loss/policy",
-            "loss/value",
-            "value/mean",
-            "returns/mean",
-            "value/explained_variance",
-            "value/clip_frac",
-            "loss/train",
-            "loss/val",
-            "rewards/margin",
-            "grad_norm",
-        ],
+        names,
     )
-    assert plan["preferred"] == [
-        ["reward", ["reward/mean"]],  # reward/std is its band
-        ["reward-graders", ["reward/acc/mean"]],
-        ["val-reward", ["val/reward/mean", "val/reward/acc/mean"]],
-        ["non-score-reward", ["reward/non_score"]],
-        ["kl", ["kl/mean"]],
-        ["loss-policy", ["loss/policy"]],
-        ["loss-value", ["loss/value"]],
-        ["loss-train", ["loss/train", "loss/val"]],
-        ["value", ["value/mean", "returns/mean"]],
-        ["value-explained-variance", ["value/explained_variance"]],
-        ["value-clip-frac", ["value/clip_frac"]],
+    preferred = [
+        ["reward", [M.REWARD_MEAN]],  # reward/std is its band
+        ["reward-graders", [M.reward_of("acc")]],
+        ["val-reward", [M.VAL_REWARD_MEAN, M.reward_of("acc", validation=True)]],
+        ["non-score-reward", [M.NON_SCORE_REWARD]],
+        ["kl", [M.KL_MEAN]],
+        ["entropy", [M.ENTROPY_MEAN]],
+        ["clip-frac", [M.CLIP_FRAC_LOW, M.CLIP_FRAC_HIGH, M.CLIP_FRAC_DUAL]],
+        ["completion-len", [M.COMPLETION_LEN_MEAN, M.COMPLETION_LEN_MAX]],
+        ["loss-policy", [M.LOSS_POLICY]],
+        ["loss-value", [M.LOSS_VALUE]],
+        ["loss", [M.LOSS_TOTAL, M.VAL_LOSS]],
+        ["value", [M.VALUE_MEAN, M.RETURNS_MEAN]],
+        ["value-explained-variance", [M.EXPLAINED_VARIANCE]],
+        ["value-clip-frac", [M.VALUE_CLIP_FRAC]],
+        ["throughput", [M.TOKENS_PER_S_GENERATION, M.TOKENS_PER_S_TRAINING]],
     ]
-    assert plan["other"] == ["metric:grad_norm", "metric:rewards/margin"]
+    assert plan["preferred"] == preferred
+    charted = {key for _, keys in preferred for key in keys} | {M.REWARD_STD}
+    assert plan["other"] == [f"metric:{name}" for name in sorted(set(names) - charted)]
+    assert f"metric:{M.PREFERENCE_ACCURACY}" in plan["other"] and "metric:custom/metric" in plan["other"]
