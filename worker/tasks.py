@@ -1,6 +1,8 @@
 """``proxima.jobs.run``: claim a job in the database, run its trainer in a child process, record what it reports.
 
-:func:`run_job` is the plain function behind the Celery task (tests call it directly). One attempt:
+:func:`run_job` is the plain function behind the Celery task (tests call it directly). A job still in
+``validating_files`` first has its files validated (``worker.validation``), which ends it ``failed`` or ``queued``.
+Then one attempt:
 
 1. claim the job with a lease (one conditional UPDATE; losing the race means another worker has it: return);
 2. prepare a run folder: the dataset files from the artifact store, the spec with local paths and the model
@@ -46,6 +48,9 @@ from api.storage import ArtifactStore, NotFound, store_from_url
 from trainer import metrics as M
 from worker.celery_app import RUN_JOB, app
 from worker.celery_app import settings as current_settings
+from worker.errors import JobError
+from worker.lease import Heartbeat
+from worker.validation import dataset_message, download_dataset, validate_files
 
 log = logging.getLogger("proxima.worker")
 
@@ -70,14 +75,6 @@ def default_worker_id(hostname: str | None = None) -> str:
 
 def checkpoint_prefix(job_id: str, step: int) -> str:
     return f"jobs/{job_id}/checkpoints/step-{step:06d}"
-
-
-class JobError(Exception):
-    """A failure to record as the job's ``error``."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 def resolve_model(name: str, model_store: Path) -> str:
@@ -129,6 +126,8 @@ def run_job(job_id: str, *, settings: Settings, worker_id: str) -> str:
     """Run one attempt at ``job_id`` if this worker can claim it; returns the status it ended in, or ``"skipped"``
     (not claimable: finished, paused, cancelled, or held by a live lease) or ``"lost"`` (the lease was taken)."""
     url = settings.db_url
+    if validate_files(job_id, settings=settings, store=store_for(settings), worker_id=worker_id) == "failed":
+        return "failed"
     with session_scope(url) as s:
         if not runs.claim(s, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds):
             log.info("job %s not claimable by %s: skipped", job_id, worker_id)
@@ -169,34 +168,6 @@ def run_job(job_id: str, *, settings: Settings, worker_id: str) -> str:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-class _Heartbeat(threading.Thread):
-    """Renews the lease every third of its length; sets ``lost`` when the lease is no longer ours (or could not be
-    renewed before it expired, e.g. the database was unreachable)."""
-
-    def __init__(self, settings: Settings, job_id: str, worker_id: str) -> None:
-        super().__init__(daemon=True, name=f"lease-{job_id}")
-        self.settings, self.job_id, self.worker_id = settings, job_id, worker_id
-        self.lost = threading.Event()
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        lease = self.settings.lease_seconds
-        renewed = time.time()
-        while not self.done.wait(lease / 3):
-            try:
-                with session_scope(self.settings.db_url) as s:
-                    ok = runs.renew_lease(s, job_id=self.job_id, worker_id=self.worker_id, lease_seconds=lease)
-            except Exception:
-                log.warning("job %s: lease renewal failed", self.job_id, exc_info=True)
-                ok = time.time() < renewed + lease
-            else:
-                renewed = time.time() if ok else renewed
-            if not ok:
-                log.warning("job %s: lease lost by %s", self.job_id, self.worker_id)
-                self.lost.set()
-                return
-
-
 class _Runner:
     def __init__(self, settings: Settings, worker_id: str, attempt: _Attempt, run_dir: Path) -> None:
         self.settings, self.worker_id, self.a, self.run_dir = settings, worker_id, attempt, run_dir
@@ -208,16 +179,7 @@ class _Runner:
     # -- preparation ----------------------------------------------------------------------------------------------
 
     def _download_file(self, file_id: str, dest: Path) -> str:
-        with session_scope(self.url) as s:
-            f = runs.get_file(s, file_id=file_id)
-            key = f.storage_key if f is not None and not f.deleted else None
-        if key is None:
-            raise JobError("invalid_file", f"file {file_id} no longer exists: upload it again and create a new job")
-        try:
-            self.store.get_to_path(key, dest)
-        except NotFound:
-            raise JobError("invalid_file", f"file {file_id}'s contents are missing from the artifact store") from None
-        return str(dest)
+        return str(download_dataset(self.url, self.store, file_id=file_id, dest=dest))
 
     def _fetch_reward_model(self, job_id: str) -> Path:
         """A reward_model grader's job id (the API checked it) → the reward model's folder in the run folder: its
@@ -321,14 +283,14 @@ class _Runner:
             self._prepare()
         except JobError as err:
             return self._fail(err.code, err.message)
-        heartbeat = _Heartbeat(self.settings, self.job_id, self.worker_id)
+        heartbeat = Heartbeat(self.settings, self.job_id, self.worker_id)
         heartbeat.start()
         try:
             return self._supervise(heartbeat)
         finally:
             heartbeat.done.set()
 
-    def _supervise(self, heartbeat: _Heartbeat) -> str:
+    def _supervise(self, heartbeat: Heartbeat) -> str:
         stderr_path = self.run_dir / "stderr.log"
         with stderr_path.open("wb") as err_file:
             proc = subprocess.Popen(
@@ -402,13 +364,12 @@ class _Runner:
             return message
         data = str(self.run_dir / "data")
         if message.startswith(f"{data}/validation.jsonl") and self.a.validation_file:
-            which = f"validation file {self.a.validation_file}"
+            which, file_id = "validation", self.a.validation_file
         elif message.startswith(f"{data}/train.jsonl"):
-            which = f"training file {self.a.training_file}"
+            which, file_id = "training", self.a.training_file
         else:
             return message
-        line = f", line {error['line']}" if error.get("line") else ""
-        return f"{which}{line}: {error['detail']}"
+        return dataset_message(which, file_id, line=error.get("line"), detail=error["detail"])
 
     # -- messages ------------------------------------------------------------------------------------------------
 

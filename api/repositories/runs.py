@@ -1,5 +1,5 @@
-"""All SQL a worker runs: the lease (claim, renew, release), progress, events, metrics, checkpoints, rollouts,
-result files, the outcome, and the sweeper's queries.
+"""All SQL a worker runs: the lease (claim, renew, release), file validation, progress, events, metrics,
+checkpoints, rollouts, result files, the outcome, and the sweeper's queries.
 
 The lease is the only thing that decides who runs a job: every claim and renewal is one conditional UPDATE whose
 row count says whether it won, so it is atomic on PostgreSQL and SQLite alike and a redelivered broker message is
@@ -20,6 +20,7 @@ from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Rollout, now
 
 CLAIMABLE = ("queued", "running")
 TERMINAL = ("succeeded", "failed", "cancelled")
+LEASED = ("validating_files", "running")  # the statuses in which a worker holds (and renews) a job's lease
 
 
 def _lease_free(at: float) -> Any:
@@ -50,6 +51,44 @@ def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float
     return result.rowcount == 1  # type: ignore[attr-defined]
 
 
+def claim_validation(
+    session: Session, *, job_id: str, worker_id: str, lease_seconds: float, at: float | None = None
+) -> bool:
+    """Take a ``validating_files`` job's lease to validate its files (the status stays); True when this worker now
+    holds it. The same conditions as :func:`claim`: nobody else holds a live lease and no cancel is pending."""
+    at = time.time() if at is None else at
+    result = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status == "validating_files",
+            _lease_free(at),
+            Job.cancel_requested.is_(False),
+        )
+        .values(lease_owner=worker_id, lease_expires_at=at + lease_seconds)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def end_validation(session: Session, *, job_id: str, worker_id: str, error: dict[str, Any] | None) -> bool:
+    """The files' verdict: ``queued`` when ``error`` is None, else ``failed`` with it; the lease is released either
+    way. Only if the lease is still ours and the job still ``validating_files`` (a cancel or a pause that arrived
+    meanwhile wins); False when nothing was written."""
+    values: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None}
+    if error is None:
+        values["status"] = "queued"
+    else:
+        values.update(status="failed", error=error, finished_at=now(), estimated_finish=None)
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == "validating_files")
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
 def renew_lease(
     session: Session, *, job_id: str, worker_id: str, lease_seconds: float, at: float | None = None
 ) -> bool:
@@ -57,7 +96,7 @@ def renew_lease(
     at = time.time() if at is None else at
     result = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == "running")
+        .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status.in_(LEASED))
         .values(lease_expires_at=at + lease_seconds)
         .execution_options(synchronize_session=False)
     )
@@ -229,17 +268,18 @@ def stranded_jobs(
     at: float | None = None,
     limit: int = 100,
 ) -> list[str]:
-    """Jobs that need a new broker message: running with an expired lease (their worker died), or queued, held by
-    nobody, and enqueued longer ago than the grace period (their message may be lost). A job enqueued within its
-    grace period is left alone, so one sweep does not pile messages on another. Paused, cancelled and finished jobs
-    never qualify."""
+    """Jobs that need a new broker message: running with an expired lease (their worker died), or waiting for a
+    worker (``validating_files`` or ``queued``), held by nobody (or by a dead worker's expired lease), and enqueued
+    longer ago than the grace period (their message may be lost). A job enqueued within its grace period is left
+    alone, so one sweep does not pile messages on another. Paused, cancelled and finished jobs never qualify."""
     at = time.time() if at is None else at
 
     def enqueued_before(t: float) -> Any:
         return or_(Job.enqueued_at.is_(None), Job.enqueued_at < t)
 
     expired = and_(Job.status == "running", Job.lease_expires_at < at, enqueued_before(at - expired_grace_seconds))
-    lost = and_(Job.status == "queued", _lease_free(at), enqueued_before(at - queued_grace_seconds))
+    waiting = Job.status.in_(("validating_files", "queued"))
+    lost = and_(waiting, _lease_free(at), enqueued_before(at - queued_grace_seconds))
     q = select(Job.id).where(or_(expired, lost), Job.cancel_requested.is_(False)).order_by(Job.created_at).limit(limit)
     return list(session.scalars(q))
 

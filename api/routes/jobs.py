@@ -44,10 +44,8 @@ def metadata_filter(request: Request) -> tuple[dict[str, str], bool]:
 
 
 @router.post("", response_model=FineTuningJob, summary="Create a fine-tuning job")
-def create_job(
-    body: JobCreate, session: SessionDep, settings: SettingsDep, store: StoreDep, tenant: TenantDep
-) -> FineTuningJob:
-    job = jobs_service.create(session=session, settings=settings, store=store, tenant=tenant, body=body)
+def create_job(body: JobCreate, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> FineTuningJob:
+    job = jobs_service.create(session=session, settings=settings, tenant=tenant, body=body)
     return FineTuningJob.from_row(job)
 
 

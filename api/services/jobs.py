@@ -1,21 +1,22 @@
-"""Fine-tuning jobs as the API drives them: create (validate the spec and the files, then enqueue), read, cancel,
-pause and resume, and the job's events, checkpoints, metrics, rollouts and adapters.
+"""Fine-tuning jobs as the API drives them: create (validate the spec, check the files, then enqueue), read,
+cancel, pause and resume, and the job's events, checkpoints, metrics, rollouts and adapters.
 
 The database row is the truth and the broker message only a wake-up call: a job is enqueued by task name
-(``proxima.jobs.run``) after the commit that made it ``queued``, so a worker never sees a job that is not there.
-If the broker is down the job stays ``queued`` with ``enqueued_at`` unset and the worker's sweeper enqueues it
-from the database later; the request does not fail.
+(``proxima.jobs.run``) after the commit that made it ``validating_files``, so a worker never sees a job that is not
+there. If the broker is down the job waits with ``enqueued_at`` unset and the worker's sweeper enqueues it from the
+database later; the request does not fail.
+
+A request never reads a dataset: the files' lines are validated by the worker that picks the job up
+(``worker.validation``), which moves the job on to ``queued`` or fails it with ``invalid_file``.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import tempfile
 import time
 from collections.abc import Mapping
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from celery import Celery  # type: ignore[import-untyped]
@@ -26,15 +27,14 @@ from api import ids
 from api.auth import Caller, tenant_for_key
 from api.db import read, session_scope
 from api.errors import Conflict, InvalidRequest, NotFound
-from api.orm import Checkpoint, File, Job, JobEvent, Rollout, now
+from api.orm import Checkpoint, Job, JobEvent, Rollout, now
 from api.repositories import files as files_repo
 from api.repositories import jobs as jobs_repo
 from api.schemas import TERMINAL_STATUSES, JobCreate
 from api.settings import Settings
 from api.storage import ArtifactStore
 from api.storage import NotFound as ArtifactNotFound
-from trainer.config import JobSpec, SpecError, parse_spec
-from trainer.data import DatasetError, load_preferences, load_prompts, load_supervised
+from trainer.config import SpecError, parse_spec
 
 log = logging.getLogger("proxima.api.jobs")
 
@@ -110,7 +110,9 @@ def _spec_input(body: JobCreate) -> dict[str, Any]:
     return raw
 
 
-def _dataset_file(session: Session, *, tenant: Caller, file_id: str, param: str) -> File:
+def _check_dataset_file(session: Session, *, tenant: Caller, file_id: str, param: str) -> None:
+    """The cheap checks a request makes: the file exists, is the tenant's and is a dataset (its lines are the
+    worker's to validate)."""
     row = files_repo.get(session, tenant_id=tenant.id, file_id=file_id)
     if row is None:  # another tenant's file does not exist either
         raise InvalidRequest(f"No such file: '{file_id}'", param=param, code="file_not_found")
@@ -120,26 +122,6 @@ def _dataset_file(session: Session, *, tenant: Caller, file_id: str, param: str)
             param=param,
             code="invalid_file_purpose",
         )
-    return row
-
-
-def _check_dataset(store: ArtifactStore, row: File, spec: JobSpec) -> None:
-    """Validate every line against the method's format (design §4); raises DatasetError naming the line: prompts
-    whose fields feed the grader's templates (RL), preference pairs (reward_model, dpo) or conversations ending with
-    an assistant turn (supervised)."""
-    with tempfile.TemporaryDirectory(prefix="proxima-validate-") as tmp:
-        path = Path(tmp) / "data.jsonl"
-        try:
-            store.get_to_path(row.storage_key, path)
-        except ArtifactNotFound:
-            raise DatasetError("the file's contents are missing from the artifact store") from None
-        fmt = spec.method.data_format
-        if fmt == "prompts":
-            load_prompts(path, grader=spec.method.grader)
-        elif fmt == "preferences":
-            load_preferences(path)
-        else:
-            load_supervised(path)
 
 
 def reward_model_refs(grader: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
@@ -189,12 +171,14 @@ def _resolve_reward_models(session: Session, *, tenant: Caller, spec_json: dict[
         leaf["model"] = job.id
 
 
-def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant: Caller, body: JobCreate) -> Job:
-    """Validate the spec and the files, write the job and enqueue it.
+def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCreate) -> Job:
+    """Validate the spec, check the files (they exist, are the tenant's and are datasets), write the job in
+    ``validating_files`` and enqueue it.
 
     Unlike other services this one commits (through the request's session) before publishing, because a worker
-    must find the queued row when the message arrives. A dataset that does not fit the method fails the job
-    (status ``failed``, ``error`` naming the line) instead of the request, as OpenAI's ``validating_files`` does.
+    must find the row when the message arrives. The files' contents are the worker's to validate: a dataset that
+    does not fit the method fails the job (``invalid_file``, naming the file and the line), not the request, as
+    OpenAI's ``validating_files`` does.
     """
     try:
         spec = parse_spec(_spec_input(body))
@@ -215,16 +199,9 @@ def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant
             param=f"method.{spec.method.type}.hyperparameters.value_model",
             code="model_not_available",
         )
-    datasets = [
-        ("training_file", _dataset_file(session, tenant=tenant, file_id=spec.training_file, param="training_file"))
-    ]
+    _check_dataset_file(session, tenant=tenant, file_id=spec.training_file, param="training_file")
     if spec.validation_file is not None:
-        datasets.append(
-            (
-                "validation_file",
-                _dataset_file(session, tenant=tenant, file_id=spec.validation_file, param="validation_file"),
-            )
-        )
+        _check_dataset_file(session, tenant=tenant, file_id=spec.validation_file, param="validation_file")
 
     job = jobs_repo.add(
         session,
@@ -245,19 +222,6 @@ def create(*, session: Session, settings: Settings, store: ArtifactStore, tenant
         ),
     )
     jobs_repo.add_event(session, job_id=job.id, level="info", message="Created fine-tuning job")
-    for param, row in datasets:
-        try:
-            _check_dataset(store, row, spec)
-        except DatasetError as err:
-            where = f"line {err.line}: " if err.line else ""
-            message = f"{param} {row.id} is invalid: {where}{err.detail}"
-            job.status, job.finished_at = "failed", now()
-            job.error = {"code": f"invalid_{param}", "message": message, "param": param}
-            jobs_repo.add_event(session, job_id=job.id, level="error", message=message)
-            session.commit()
-            return job
-    job.status = "queued"
-    jobs_repo.add_event(session, job_id=job.id, level="info", message="Validated files; job queued")
     _commit_and_enqueue(session=session, settings=settings, job=job)
     return job
 

@@ -280,11 +280,23 @@ def training_file(api: httpx.Client) -> str:
     return str(response.json()["id"])
 
 
+def validate(settings: Any, job_id: str, *, worker_id: str = "test-worker") -> str:
+    """The worker's ``validating_files`` phase for one job, run here as the Celery task would run it (no worker runs
+    in these tests): ``queued``, ``failed`` or ``skipped``."""
+    from api.storage import store_from_url
+    from worker.validation import validate_files
+
+    return validate_files(job_id, settings=settings, store=store_from_url(settings.artifacts_url), worker_id=worker_id)
+
+
 @pytest.fixture
-def queued_job(api: httpx.Client, training_file: str) -> dict[str, Any]:
+def queued_job(api: httpx.Client, training_file: str, settings: Any) -> dict[str, Any]:
+    """A job whose files a worker has validated: ``queued``, waiting for a worker to train it."""
     response = api.post("/v1/fine_tuning/jobs", json=job_body(training_file))
     assert response.status_code == 200, response.text
-    job: dict[str, Any] = response.json()
+    assert response.json()["status"] == "validating_files", response.json()
+    assert validate(settings, response.json()["id"]) == "queued"
+    job: dict[str, Any] = api.get(f"/v1/fine_tuning/jobs/{response.json()['id']}").json()
     assert job["status"] == "queued", job
     return job
 

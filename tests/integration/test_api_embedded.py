@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from tests.integration.conftest import http_client, job_body, jsonl, prompts, serve, upload
+from tests.integration.conftest import http_client, job_body, jsonl, prompts, serve, upload, validate
 
 
 def test_embedded_defaults_create_and_enqueue_a_job(tmp_path: Path) -> None:
@@ -30,7 +30,9 @@ def test_embedded_defaults_create_and_enqueue_a_job(tmp_path: Path) -> None:
             assert api.get("/readyz").status_code == 200
             file_id = upload(api, jsonl(prompts(3))).json()["id"]
             job = api.post("/v1/fine_tuning/jobs", json=job_body(file_id)).json()
-            assert job["status"] == "queued", job
+            assert job["status"] == "validating_files", job
+            assert validate(settings, job["id"]) == "queued"  # the worker's phase, on SQLite and the folder store
+            assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "queued"
             assert api.get(f"/v1/fine_tuning/jobs/{job['id']}/events").json()["data"][0]["message"] == (
                 "Validated files; job queued"
             )

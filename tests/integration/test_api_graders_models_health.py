@@ -161,7 +161,7 @@ class TestHealth:
         assert "/v1/fine_tuning/jobs/{fine_tuning_job_id}/checkpoints/{checkpoint_id}/adapter" in paths
 
 
-def test_broker_down_leaves_the_job_queued_for_the_sweeper(settings: Any, tenant_a: Any, training_file: str) -> None:
+def test_broker_down_leaves_the_job_waiting_for_the_sweeper(settings: Any, tenant_a: Any, training_file: str) -> None:
     from api.app import create_app
 
     bad = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
@@ -176,4 +176,4 @@ def test_broker_down_leaves_the_job_queued_for_the_sweeper(settings: Any, tenant
             headers={"authorization": f"Bearer {tenant_a.key}"},
         )
     assert r.status_code == 200, r.text
-    assert r.json()["status"] == "queued"
+    assert r.json()["status"] == "validating_files"

@@ -1,4 +1,5 @@
-"""``/v1/fine_tuning/jobs`` over HTTP without a worker: create, validate, enqueue, list, control, read outputs."""
+"""``/v1/fine_tuning/jobs`` over HTTP without a worker: create, enqueue, list, control, read outputs; the files'
+validation that a worker runs (``worker.validation``) is called here as the task would call it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.integration.conftest import (
     prompts,
     set_job,
     upload,
+    validate,
 )
 
 JOB_FIELDS = {
@@ -53,7 +55,7 @@ def events(api: httpx.Client, job_id: str, **params: Any) -> dict[str, Any]:
 
 
 class TestCreate:
-    def test_valid_job_is_queued_enqueued_and_shaped_like_openai(
+    def test_valid_job_answers_validating_files_at_once_enqueued_and_shaped_like_openai(
         self,
         api: httpx.Client,
         training_file: str,
@@ -69,7 +71,7 @@ class TestCreate:
         job = r.json()
         assert set(job) == JOB_FIELDS
         assert job["object"] == "fine_tuning.job" and job["id"].startswith("ftjob-")
-        assert job["status"] == "queued" and job["error"] is None and job["finished_at"] is None
+        assert job["status"] == "validating_files" and job["error"] is None and job["finished_at"] is None
         assert job["model"] == "tiny-arith" and job["organization_id"] == tenant_a.id
         assert job["training_file"] == training_file and job["validation_file"] == val
         assert job["seed"] == 7 and job["suffix"] == "arith" and job["metadata"] == {"team": "a"}
@@ -84,6 +86,26 @@ class TestCreate:
 
         with db() as s:
             assert s.get(Job, job["id"]).enqueued_at is not None
+        assert [e["message"] for e in events(api, job["id"])["data"]] == ["Created fine-tuning job"]
+
+    def test_valid_files_validated_by_the_worker_queue_the_job(
+        self, api: httpx.Client, training_file: str, settings: Any, db: Callable[[], Any]
+    ) -> None:
+        val = upload(api, jsonl(prompts(2)), filename="val.jsonl").json()["id"]
+        job = api.post("/v1/fine_tuning/jobs", json=job_body(training_file, validation_file=val)).json()
+        assert validate(settings, job["id"]) == "queued"
+        got = api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
+        assert got["status"] == "queued" and got["error"] is None and got["finished_at"] is None
+        assert [e["message"] for e in events(api, job["id"])["data"]] == [
+            "Validated files; job queued",
+            "Created fine-tuning job",
+        ]
+        from api.orm import Job
+
+        with db() as s:
+            row = s.get(Job, job["id"])
+            assert row.lease_owner is None and row.lease_expires_at is None and row.attempts == 0
+        assert validate(settings, job["id"]) == "skipped"  # validated once: a redelivered message does nothing
 
     def test_openai_reinforcement_method_and_top_level_hyperparameters_are_accepted(
         self, api: httpx.Client, training_file: str
@@ -101,37 +123,51 @@ class TestCreate:
         assert job["method"]["type"] == "grpo" and job["hyperparameters"]["n_epochs"] == 2
         assert isinstance(job["seed"], int)
 
-    def test_dataset_not_fitting_the_method_fails_the_job_naming_the_line(
-        self, api: httpx.Client, queue_length: Callable[[], int]
+    def test_dataset_not_fitting_the_method_is_accepted_then_fails_validation_naming_file_and_line(
+        self, api: httpx.Client, queue_length: Callable[[], int], settings: Any
     ) -> None:
         rows = [*prompts(2), {"text": "no prompt here"}, *prompts(1)]
         file_id = upload(api, jsonl(rows)).json()["id"]
         before = queue_length()
         r = api.post("/v1/fine_tuning/jobs", json=job_body(file_id))
         assert r.status_code == 200, r.text
-        job = r.json()
+        assert r.json()["status"] == "validating_files" and r.json()["error"] is None
+        assert queue_length() == before + 1  # the request read no line of the file: a worker will
+        assert validate(settings, r.json()["id"]) == "failed"
+        job = api.get(f"/v1/fine_tuning/jobs/{r.json()['id']}").json()
+        message = f"training file {file_id}, line 3: no prompt: expected a 'messages' list or a 'prompt' string"
         assert job["status"] == "failed" and job["finished_at"] is not None
-        assert job["error"]["code"] == "invalid_training_file" and job["error"]["param"] == "training_file"
-        assert "line 3" in job["error"]["message"] and "prompt" in job["error"]["message"]
-        assert queue_length() == before
+        assert job["error"] == {"code": "invalid_file", "message": message, "param": "training_file"}
         newest = events(api, job["id"])["data"][0]
-        assert newest["level"] == "error" and "line 3" in newest["message"]
+        assert newest["level"] == "error" and newest["message"] == f"The job failed: {message}"
 
-    def test_item_missing_a_grader_field_fails_the_job_naming_the_line(self, api: httpx.Client) -> None:
+    def test_item_missing_a_grader_field_fails_validation_naming_the_line(
+        self, api: httpx.Client, settings: Any
+    ) -> None:
         rows = [*prompts(1), {"prompt": "What is 1 + 1?"}]  # no `answer` for {{item.answer}}
         file_id = upload(api, jsonl(rows)).json()["id"]
-        job = api.post("/v1/fine_tuning/jobs", json=job_body(file_id)).json()
+        job_id = api.post("/v1/fine_tuning/jobs", json=job_body(file_id)).json()["id"]
+        assert validate(settings, job_id) == "failed"
+        job = api.get(f"/v1/fine_tuning/jobs/{job_id}").json()
         assert job["status"] == "failed"
-        assert "line 2" in job["error"]["message"] and "answer" in job["error"]["message"]
+        assert job["error"]["message"] == (
+            f"training file {file_id}, line 2: grader 'exact' references {{{{item.answer}}}} but the item has no "
+            "field 'answer'"
+        )
 
-    def test_bad_validation_file_fails_the_job_naming_validation_file(
-        self, api: httpx.Client, training_file: str
+    def test_bad_validation_file_fails_validation_naming_the_validation_file(
+        self, api: httpx.Client, training_file: str, settings: Any
     ) -> None:
         val = upload(api, jsonl([{"messages": []}])).json()["id"]
-        job = api.post("/v1/fine_tuning/jobs", json=job_body(training_file, validation_file=val)).json()
+        job_id = api.post("/v1/fine_tuning/jobs", json=job_body(training_file, validation_file=val)).json()["id"]
+        assert validate(settings, job_id) == "failed"
+        job = api.get(f"/v1/fine_tuning/jobs/{job_id}").json()
         assert job["status"] == "failed"
-        assert job["error"]["code"] == "invalid_validation_file" and job["error"]["param"] == "validation_file"
-        assert "line 1" in job["error"]["message"]
+        assert job["error"] == {
+            "code": "invalid_file",
+            "message": f"validation file {val}, line 1: 'messages' must be a non-empty list of messages",
+            "param": "validation_file",
+        }
 
     @pytest.mark.parametrize(
         ("change", "param", "code"),
