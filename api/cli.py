@@ -1,11 +1,13 @@
 """``proxima``'s service commands: serve, worker, keys, db, and REST clients for files and jobs (design §7).
 
-The trainer's local commands (train, eval, models, datasets) come from ``trainer.cli`` and are mounted on the same
-application, so one console script covers both.
+The trainer's local commands (train, eval, models, datasets) come from ``trainer.cli`` and are served by the same
+application, so one console script covers both. They import torch, so they are loaded only when one of them is run
+or listed: the API process that ``proxima serve`` runs, and the REST clients, never import torch.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -18,9 +20,49 @@ from typing import Annotated, Any
 
 import httpx
 import typer
+from rich.console import Console
+from typer.core import TyperGroup
 
 from trainer import metrics as M
-from trainer.cli import app, console
+
+TRAINER_COMMANDS = ("train", "eval", "models", "datasets")
+
+
+@functools.cache
+def _trainer_commands() -> TyperGroup:
+    """``trainer.cli``'s commands (importing it imports torch)."""
+    from trainer.cli import app as trainer_app
+
+    group = typer.main.get_command(trainer_app)
+    assert isinstance(group, TyperGroup)
+    return group
+
+
+class _Commands(TyperGroup):
+    """The service's commands, and the trainer's taken from ``trainer.cli`` when one is run or listed."""
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:  # type: ignore[override]
+        return [*TRAINER_COMMANDS, *super().list_commands(ctx)]
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:  # type: ignore[override]
+        if cmd_name in TRAINER_COMMANDS:
+            return _trainer_commands().get_command(ctx, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+app = typer.Typer(
+    cls=_Commands,
+    help="Proxima: reinforcement-learning fine-tuning of language models with LoRA.",
+    no_args_is_help=True,
+)
+console = Console(stderr=True, soft_wrap=True)  # messages stay on one line: scripts grep them
+
+
+@app.callback()
+def _setup(ctx: typer.Context) -> None:
+    if ctx.invoked_subcommand in TRAINER_COMMANDS and (callback := _trainer_commands().callback) is not None:
+        callback()  # the trainer's own set-up (quieter libraries), as when its group runs them
+
 
 files_app = typer.Typer(help="Datasets on a Proxima server (REST).", no_args_is_help=True)
 jobs_app = typer.Typer(help="Fine-tuning jobs on a Proxima server (REST).", no_args_is_help=True)
