@@ -166,9 +166,11 @@ def _exit_with_parent(parent_pid: int) -> None:
 def serving_app() -> Any:
     """The app as ``proxima serve`` runs it, with the heap it was built with frozen out of the garbage collector.
 
-    The API imports torch (through the trainer's configs): some 270,000 objects that a full collection walks, a
-    150-850 ms pause of every request in flight, once every few seconds under load. Frozen, they are never
-    scanned; what requests allocate is collected as before.
+    Without torch the API's heap is still some 125,000 objects (SQLAlchemy, botocore, pydantic, Celery and kombu),
+    which every full collection walks: about 130 ms on the shared 2-core CI machine. Requests that allocate a lot
+    set those collections off: unfrozen, the 10,000-row metrics read took 620-710 ms at its median where frozen it
+    takes 430 ms (``bench/api_latency.py``, the same load). Frozen, the start-up heap is never scanned; what requests
+    allocate is collected as before.
     """
     import gc
     import logging
@@ -215,9 +217,6 @@ def serve(
             port=port or s.port,
             log_level="warning",
             timeout_graceful_shutdown=5,
-            # A worker process imports torch (the trainer's configs) before it can answer uvicorn's health check:
-            # more than uvicorn's default of 5 s on a busy machine, where workers were killed and restarted forever.
-            timeout_worker_healthcheck=60,
         )
     finally:
         if child is not None:
