@@ -23,6 +23,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
+from api.status import TERMINAL_STATUSES, JobStatus
 from trainer import metrics as M
 
 TRAINER_COMMANDS = ("train", "eval", "models", "datasets")
@@ -74,7 +75,6 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
 
 LOCAL_KEY_FILE = "local_api_key"
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def _settings() -> Any:
@@ -344,7 +344,7 @@ def follow_job(c: Client, job_id: str, *, poll: float = 1.0) -> dict[str, Any]:
             console.print(
                 f"step {row['step']}/{job.get('total_steps') or '?'}  reward {m.get(M.REWARD_MEAN, 0.0):.3f}{kl}{eta_s}"
             )
-        if job["status"] in TERMINAL:
+        if job["status"] in TERMINAL_STATUSES:
             return job
         time.sleep(poll)
 
@@ -354,7 +354,7 @@ def jobs_follow(job_id: str, api_base: ApiBase = None, api_key: ApiKey = None) -
     """Follow a job live until it ends."""
     job = follow_job(Client(api_base, api_key), job_id)
     console.print(f"{job['id']}: {job['status']}" + (f" ({job['error']['message']})" if job.get("error") else ""))
-    if job["status"] != "succeeded":
+    if job["status"] != JobStatus.SUCCEEDED:
         raise typer.Exit(1)
 
 
@@ -375,7 +375,7 @@ def jobs_download(
 def download_adapter(c: Client, job_id: str, output: Path, *, checkpoint: str | None = None) -> Path:
     if checkpoint is None:
         job = c.json("GET", f"/fine_tuning/jobs/{job_id}")
-        if job["status"] != "succeeded":
+        if job["status"] != JobStatus.SUCCEEDED:
             console.print(f"[red]error:[/red] job {job_id} is {job['status']}; pass --checkpoint for a checkpoint")
             raise typer.Exit(2)
         files = [c.json("GET", f"/files/{fid}") for fid in job["result_files"]]
@@ -479,7 +479,7 @@ def demo(
         )
         console.print(f"created {job['id']} ({job['status']})")
         job = follow_job(c, job["id"])
-        if job["status"] != "succeeded":
+        if job["status"] != JobStatus.SUCCEEDED:
             console.print(f"[red]job {job['status']}[/red]: {job.get('error')}")
             raise typer.Exit(1)
         archive = download_adapter(c, job["id"], workdir / "adapter.tar.gz")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, Dialect, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 from api.db import Base
+from api.status import JobStatus
 
 
 def now() -> int:
@@ -49,6 +51,20 @@ class File(Base):
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+class _Status(TypeDecorator[JobStatus]):
+    """A job's status: VARCHAR(32) in the database (no migration, no database enum to alter when a status is
+    added), :class:`JobStatus` in Python; writing a value that is not a status fails before it reaches SQL."""
+
+    impl = String(32)
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+        return None if value is None else JobStatus(value).value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> JobStatus | None:
+        return None if value is None else JobStatus(value)
+
+
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
@@ -61,7 +77,7 @@ class Job(Base):
     model: Mapped[str] = mapped_column(String(256))
     training_file: Mapped[str] = mapped_column(String(64))
     validation_file: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    status: Mapped[str] = mapped_column(String(32))
+    status: Mapped[JobStatus] = mapped_column(_Status())
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)  # the validated spec, hyperparameters resolved
     seed: Mapped[int] = mapped_column(Integer, default=0)
     suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)

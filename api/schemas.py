@@ -14,12 +14,11 @@ from sqlalchemy import Row
 
 from api import ids
 from api.orm import Checkpoint, File, Job, JobEvent
+from api.status import JobStatus
 
 T = TypeVar("T")
 
 FILE_PURPOSES = ("fine-tune",)  # what a client may upload; the worker adds `fine-tune-results`
-JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
-TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 
 
 class _Request(BaseModel):
@@ -171,7 +170,7 @@ class FineTuningJob(BaseModel):
             estimated_finish=row.estimated_finish,
             fine_tuned_model=row.fine_tuned_model,
             organization_id=row.tenant_id,
-            status=row.status,  # type: ignore[arg-type]
+            status=row.status,
             training_file=row.training_file,
             validation_file=row.validation_file,
             result_files=list(row.result_files or []),

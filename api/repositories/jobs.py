@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from api import ids
 from api.orm import Checkpoint, Job, JobEvent, JobMetric, Rollout, now
+from api.status import JobStatus
 
 
 def add(session: Session, *, row: Job) -> Job:
@@ -63,7 +64,7 @@ def page(
     return rows[:limit], len(rows) > limit
 
 
-def transition(session: Session, *, job: Job, from_statuses: Iterable[str], **values: Any) -> bool:
+def transition(session: Session, *, job: Job, from_statuses: Iterable[JobStatus], **values: Any) -> bool:
     """Set ``values`` on the job only if its status is still one of ``from_statuses`` (a worker may have moved it
     meanwhile); refreshes ``job`` either way and says whether the update happened."""
     result = session.execute(
@@ -87,7 +88,7 @@ def succeeded_models(session: Session, *, tenant_id: str) -> list[tuple[str, int
     """(fine_tuned_model, finished_at) of the tenant's succeeded jobs, newest first."""
     rows = session.execute(
         select(Job.fine_tuned_model, Job.finished_at, Job.created_at)
-        .where(Job.tenant_id == tenant_id, Job.status == "succeeded", Job.fine_tuned_model.is_not(None))
+        .where(Job.tenant_id == tenant_id, Job.status == JobStatus.SUCCEEDED, Job.fine_tuned_model.is_not(None))
         .order_by(Job.created_at.desc())
     )
     return [(str(m), int(f or c)) for m, f, c in rows]

@@ -17,10 +17,7 @@ from sqlalchemy.orm import Session
 
 from api import ids
 from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Rollout, now
-
-CLAIMABLE = ("queued", "running")
-TERMINAL = ("succeeded", "failed", "cancelled")
-LEASED = ("validating_files", "running")  # the statuses in which a worker holds (and renews) a job's lease
+from api.status import CLAIMABLE, LEASED, TERMINAL_STATUSES, WAITING, JobStatus
 
 
 def _lease_free(at: float) -> Any:
@@ -41,7 +38,7 @@ def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float
         .values(
             lease_owner=worker_id,
             lease_expires_at=at + lease_seconds,
-            status="running",
+            status=JobStatus.RUNNING,
             attempts=Job.attempts + 1,
             started_at=func.coalesce(Job.started_at, int(at)),
             error=None,
@@ -61,7 +58,7 @@ def claim_validation(
         update(Job)
         .where(
             Job.id == job_id,
-            Job.status == "validating_files",
+            Job.status == JobStatus.VALIDATING_FILES,
             _lease_free(at),
             Job.cancel_requested.is_(False),
         )
@@ -77,12 +74,12 @@ def end_validation(session: Session, *, job_id: str, worker_id: str, error: dict
     meanwhile wins); False when nothing was written."""
     values: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None}
     if error is None:
-        values["status"] = "queued"
+        values["status"] = JobStatus.QUEUED
     else:
-        values.update(status="failed", error=error, finished_at=now(), estimated_finish=None)
+        values.update(status=JobStatus.FAILED, error=error, finished_at=now(), estimated_finish=None)
     result = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == "validating_files")
+        .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.VALIDATING_FILES)
         .values(**values)
         .execution_options(synchronize_session=False)
     )
@@ -234,16 +231,16 @@ def finish(
     *,
     job_id: str,
     worker_id: str,
-    status: str,
+    status: JobStatus,
     error: dict[str, Any] | None = None,
     fine_tuned_model: str | None = None,
     result_files: list[str] | None = None,
 ) -> bool:
     """Set the outcome and release the lease, if the lease is still ours; False when it is not (nothing written)."""
     values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None, "estimated_finish": None}
-    if status in TERMINAL:
+    if status in TERMINAL_STATUSES:
         values["finished_at"] = now()
-    if status == "paused":
+    if status == JobStatus.PAUSED:
         values["pause_requested"] = False  # the request is consumed; resume re-queues the job
     if error is not None:
         values["error"] = error
@@ -277,9 +274,10 @@ def stranded_jobs(
     def enqueued_before(t: float) -> Any:
         return or_(Job.enqueued_at.is_(None), Job.enqueued_at < t)
 
-    expired = and_(Job.status == "running", Job.lease_expires_at < at, enqueued_before(at - expired_grace_seconds))
-    waiting = Job.status.in_(("validating_files", "queued"))
-    lost = and_(waiting, _lease_free(at), enqueued_before(at - queued_grace_seconds))
+    expired = and_(
+        Job.status == JobStatus.RUNNING, Job.lease_expires_at < at, enqueued_before(at - expired_grace_seconds)
+    )
+    lost = and_(Job.status.in_(WAITING), _lease_free(at), enqueued_before(at - queued_grace_seconds))
     q = select(Job.id).where(or_(expired, lost), Job.cancel_requested.is_(False)).order_by(Job.created_at).limit(limit)
     return list(session.scalars(q))
 

@@ -30,15 +30,16 @@ from api.errors import Conflict, InvalidRequest, NotFound
 from api.orm import Checkpoint, Job, JobEvent, Rollout, now
 from api.repositories import files as files_repo
 from api.repositories import jobs as jobs_repo
-from api.schemas import TERMINAL_STATUSES, JobCreate
+from api.schemas import JobCreate
 from api.settings import Settings
+from api.status import NOT_STARTED, TERMINAL_STATUSES, WAITING, JobStatus
 from api.storage import ArtifactStore
 from api.storage import NotFound as ArtifactNotFound
+from api.tasks import RUN_JOB
 from trainer.config import SpecError, parse_spec
 
 log = logging.getLogger("proxima.api.jobs")
 
-RUN_TASK = "proxima.jobs.run"
 ADAPTER_ARCHIVE = "adapter.tar.gz"
 
 
@@ -64,7 +65,7 @@ def celery_client(broker_url: str) -> Celery:
 def enqueue(*, settings: Settings, job_id: str) -> bool:
     """Publish the job's wake-up call; False (and a warning) when the broker cannot be reached."""
     try:
-        celery_client(settings.celery_broker_url).send_task(RUN_TASK, args=[job_id])
+        celery_client(settings.celery_broker_url).send_task(RUN_JOB, args=[job_id])
     except Exception as err:  # any broker failure: the sweeper re-enqueues queued jobs from the database
         log.warning(
             "could not enqueue job %s (%s: %s); it stays queued for the sweeper", job_id, type(err).__name__, err
@@ -162,7 +163,7 @@ def _resolve_reward_models(session: Session, *, tenant: Caller, spec_json: dict[
             raise InvalidRequest(
                 f"job {job.id} is a {method} job, not a reward_model job", param=param, code="invalid_reward_model"
             )
-        if job.status != "succeeded":
+        if job.status != JobStatus.SUCCEEDED:
             raise InvalidRequest(
                 f"reward model job {job.id} is {job.status}: it can grade once it has succeeded",
                 param=param,
@@ -211,7 +212,7 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
             model=spec.model,
             training_file=spec.training_file,
             validation_file=spec.validation_file,
-            status="validating_files",
+            status=JobStatus.VALIDATING_FILES,
             spec=spec_json,
             seed=spec.seed,
             suffix=spec.suffix,
@@ -273,8 +274,6 @@ def page(
 
 # -- control --------------------------------------------------------------------------------------------------
 
-_NOT_STARTED = ("validating_files", "queued", "paused")
-
 
 def cancel(*, session: Session, tenant: Caller, job_id: str) -> Job:
     """A job no worker runs is cancelled now; a running one is asked to stop (the worker ends it within a step)."""
@@ -286,15 +285,15 @@ def cancel(*, session: Session, tenant: Caller, job_id: str) -> Job:
     if jobs_repo.transition(
         session,
         job=job,
-        from_statuses=_NOT_STARTED,
-        status="cancelled",
+        from_statuses=NOT_STARTED,
+        status=JobStatus.CANCELLED,
         finished_at=stamp,
         cancel_requested=True,
         pause_requested=False,
         estimated_finish=None,
     ):
         jobs_repo.add_event(session, job_id=job.id, level="info", message="Fine-tuning job cancelled")
-    elif jobs_repo.transition(session, job=job, from_statuses=("running",), cancel_requested=True):
+    elif jobs_repo.transition(session, job=job, from_statuses=(JobStatus.RUNNING,), cancel_requested=True):
         jobs_repo.add_event(
             session,
             job_id=job.id,
@@ -309,15 +308,15 @@ def cancel(*, session: Session, tenant: Caller, job_id: str) -> Job:
 def pause(*, session: Session, tenant: Caller, job_id: str) -> Job:
     """A queued job pauses now; a running one pauses at its next checkpoint (the worker sets ``paused``)."""
     job = get(session=session, tenant=tenant, job_id=job_id)
-    if job.status == "paused" or (job.status == "running" and job.pause_requested):
+    if job.status == JobStatus.PAUSED or (job.status == JobStatus.RUNNING and job.pause_requested):
         return job
-    if jobs_repo.transition(session, job=job, from_statuses=("validating_files", "queued"), status="paused"):
+    if jobs_repo.transition(session, job=job, from_statuses=WAITING, status=JobStatus.PAUSED):
         jobs_repo.add_event(session, job_id=job.id, level="info", message="Fine-tuning job paused")
-    elif jobs_repo.transition(session, job=job, from_statuses=("running",), pause_requested=True):
+    elif jobs_repo.transition(session, job=job, from_statuses=(JobStatus.RUNNING,), pause_requested=True):
         jobs_repo.add_event(
             session, job_id=job.id, level="info", message="Pause requested; the job pauses at its next checkpoint"
         )
-    elif job.status != "paused":
+    elif job.status != JobStatus.PAUSED:
         raise Conflict(
             f"job {job_id} is {job.status} and cannot be paused", param="fine_tuning_job_id", code="job_not_pausable"
         )
@@ -327,14 +326,19 @@ def pause(*, session: Session, tenant: Caller, job_id: str) -> Job:
 def resume(*, session: Session, settings: Settings, tenant: Caller, job_id: str) -> Job:
     """A paused job is queued again (and continues from its latest checkpoint); a pending pause is withdrawn."""
     job = get(session=session, tenant=tenant, job_id=job_id)
-    if job.status == "running":
+    if job.status == JobStatus.RUNNING:
         if job.pause_requested and jobs_repo.transition(
-            session, job=job, from_statuses=("running",), pause_requested=False
+            session, job=job, from_statuses=(JobStatus.RUNNING,), pause_requested=False
         ):
             jobs_repo.add_event(session, job_id=job.id, level="info", message="Pause withdrawn")
         return job
     if not jobs_repo.transition(
-        session, job=job, from_statuses=("paused",), status="queued", pause_requested=False, enqueued_at=None
+        session,
+        job=job,
+        from_statuses=(JobStatus.PAUSED,),
+        status=JobStatus.QUEUED,
+        pause_requested=False,
+        enqueued_at=None,
     ):
         raise Conflict(f"job {job_id} is {job.status}, not paused", param="fine_tuning_job_id", code="job_not_paused")
     jobs_repo.add_event(session, job_id=job.id, level="info", message="Fine-tuning job resumed; job queued")
