@@ -21,12 +21,14 @@ ROLES = ("system", "developer", "user", "assistant")
 
 
 class DatasetError(ValueError):
-    """A bad dataset line. ``line`` is 1-based (None for file-level problems)."""
+    """A bad dataset line. ``line`` is 1-based (None for file-level problems); ``path`` the file, ``detail`` the
+    problem without its location (a service names the user's file instead of its local copy)."""
 
     def __init__(self, message: str, *, line: int | None = None, path: str | None = None) -> None:
         where = ":".join(p for p in (path, str(line) if line else None) if p)
         super().__init__(f"{where}: {message}" if where else message)
         self.line = line
+        self.path = path
         self.detail = message
 
 

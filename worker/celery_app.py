@@ -7,8 +7,6 @@ from celery import Celery  # type: ignore[import-untyped]
 
 from api.settings import Settings, get_settings
 
-RUN_JOB = "proxima.jobs.run"
-
 app = Celery("proxima", include=["worker.tasks"])
 _settings: Settings | None = None
 

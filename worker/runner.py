@@ -1,11 +1,12 @@
 """The trainer's process: ``python -m worker.runner RUN_DIR``, started by the worker for one attempt at one job.
 
 It runs in a child process so that a crash or an out-of-memory kill fails the job and not the worker. The protocol
-with the parent (``worker.tasks``) is line-based JSON over the standard streams:
+with the parent (``worker.tasks``) is ``worker.messages``: typed messages, one JSON object a line, over the standard
+streams:
 
-- stdout carries messages, one JSON object a line: ``started``, ``event``, ``metrics``, ``rollouts``,
-  ``checkpoint`` (with the folder's path), then ``done`` or ``error`` (a typed trainer error with its code). Anything
-  libraries print is sent to stderr instead, which the parent keeps in a file for the error message.
+- stdout carries messages: ``started``, ``event``, ``metrics``, ``rollouts``, ``checkpoint`` (with the folder's
+  path), then ``done`` or ``error`` (a typed trainer error with its code). Anything libraries print is sent to stderr
+  instead, which the parent keeps in a file for the error message.
 - stdin carries control: a ``stop`` line asks the trainer to stop after a final checkpoint (cancel, pause, within one
   step); end of file means the parent died, and the trainer exits at once rather than train for nobody.
 
@@ -14,8 +15,8 @@ with the parent (``worker.tasks``) is line-based JSON over the standard streams:
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import os
 import sys
 import threading
@@ -24,34 +25,38 @@ import warnings
 from pathlib import Path
 from typing import IO, Any
 
+from worker import messages as msg
+from worker.errors import ErrorCode, code_for
+
 # Exit code of a run that ended with a typed error message (the parent reads the message, not the code).
 EXIT_ERROR = 1
 EXIT_ORPHANED = 3
 
 
-def error_code(err: BaseException) -> str | None:
-    """The job error code for the trainer's typed errors (None: an unexpected error, i.e. a trainer bug)."""
+@functools.cache
+def trainer_error_codes() -> dict[type[BaseException], ErrorCode]:
+    """The job error code of each of the trainer's typed errors. Imported when first asked for: this module must
+    start (and open its message channel) before the trainer's imports, whose own failures it reports."""
+    import torch
+
     from trainer.config import SpecError
     from trainer.data import DatasetError
     from trainer.graders import GraderError
     from trainer.models import ModelError
 
-    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
-        return "out_of_memory"
-    if isinstance(err, DatasetError):
-        return "invalid_file"
-    if isinstance(err, ModelError):
-        return "model_not_available"
-    if isinstance(err, GraderError):
-        return "invalid_grader"
-    if isinstance(err, SpecError):
-        return "invalid_hyperparameters"
-    return None
+    return {
+        MemoryError: ErrorCode.OUT_OF_MEMORY,
+        torch.OutOfMemoryError: ErrorCode.OUT_OF_MEMORY,  # the accelerator's (torch.cuda.OutOfMemoryError)
+        DatasetError: ErrorCode.INVALID_FILE,
+        ModelError: ErrorCode.MODEL_NOT_AVAILABLE,
+        GraderError: ErrorCode.INVALID_GRADER,
+        SpecError: ErrorCode.INVALID_HYPERPARAMETERS,
+    }
 
 
-def _finite(values: dict[str, float]) -> dict[str, float | None]:
-    """JSON has no NaN or infinity (PostgreSQL's json type rejects them): such a value is sent as null."""
-    return {k: (float(v) if math.isfinite(float(v)) else None) for k, v in values.items()}
+def error_code(err: BaseException) -> ErrorCode | None:
+    """The job error code for the trainer's typed errors (None: an unexpected error, i.e. a trainer bug)."""
+    return code_for(err, trainer_error_codes())
 
 
 class Pipe:
@@ -61,8 +66,8 @@ class Pipe:
         self.out = out
         self.lock = threading.Lock()
 
-    def send(self, kind: str, **body: Any) -> None:
-        line = json.dumps({"type": kind, **body}, default=str)
+    def send(self, message: msg.RunnerMessage) -> None:
+        line = msg.encode(message)
         with self.lock:
             self.out.write(line + "\n")
             self.out.flush()
@@ -79,17 +84,17 @@ def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any
 
     class ParentCallback(BaseCallback):
         def on_event(self, level: Level, message: str, data: dict[str, Any] | None = None) -> None:
-            pipe.send("event", level=level, message=message, data=data or {})
+            pipe.send(msg.Event(level=level, message=message, data=data or {}))
 
         def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-            pipe.send("metrics", step=step, metrics=_finite(metrics))
+            pipe.send(msg.Metrics(step=step, metrics=dict(metrics)))
             progress.last_step = step
 
         def on_rollouts(self, step: int, rollouts: list[dict[str, Any]]) -> None:
-            pipe.send("rollouts", step=step, rollouts=rollouts)
+            pipe.send(msg.Rollouts(step=step, rollouts=rollouts))
 
         def on_checkpoint(self, step: int, path: Path, metrics: dict[str, float]) -> None:
-            pipe.send("checkpoint", step=step, path=str(path), metrics=_finite(metrics))
+            pipe.send(msg.Checkpoint(step=step, path=str(path), metrics=dict(metrics)))
 
         def should_stop(self) -> bool:
             return stop.is_set()
@@ -99,11 +104,11 @@ def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any
 
 def _watch_stdin(stop: threading.Event, pipe: Pipe, progress: Progress) -> None:
     for line in sys.stdin:
-        if line.strip() == "stop" and not stop.is_set():
+        if line.strip() == msg.STOP and not stop.is_set():
             stop.set()
             # Steps up to this one are done; the trainer checks `should_stop` before the next, so at most the step
             # in progress is still trained: the parent records where the request landed.
-            pipe.send("stopping", completed_step=progress.last_step)
+            pipe.send(msg.Stopping(completed_step=progress.last_step))
     os._exit(EXIT_ORPHANED)  # the parent is gone: nobody would record what we train
 
 
@@ -129,22 +134,31 @@ def main(run_dir: Path) -> int:
             trainer = build_trainer(spec, output_dir=run_dir, callback=_make_callback(pipe, stop, progress))
         except OSError as err:  # the datasets are local files the worker wrote: this is the model or its tokenizer
             raise ModelError(f"cannot load model {spec.model!r}: {err}") from err
-        pipe.send("started", total_steps=trainer.total_steps)
+        pipe.send(msg.Started(total_steps=trainer.total_steps))
         result = trainer.run(resume=True)
     except BaseException as err:
         traceback.print_exc()
         sys.stderr.flush()
         code = error_code(err)
         if code is not None:
-            line, detail = getattr(err, "line", None), getattr(err, "detail", None)
-            pipe.send("error", code=code, message=str(err), param=getattr(err, "param", None), line=line, detail=detail)
+            pipe.send(
+                msg.Error(
+                    code=code,
+                    message=str(err),
+                    param=getattr(err, "param", None),
+                    path=getattr(err, "path", None),
+                    line=getattr(err, "line", None),
+                    detail=getattr(err, "detail", None),
+                )
+            )
         return EXIT_ERROR
     pipe.send(
-        "done",
-        stopped=result.stopped,
-        last_step=result.last_step,
-        total_steps=result.total_steps,
-        adapter_dir=str(result.adapter_dir) if result.adapter_dir else None,
+        msg.Done(
+            stopped=result.stopped,
+            last_step=result.last_step,
+            total_steps=result.total_steps,
+            adapter_dir=str(result.adapter_dir) if result.adapter_dir else None,
+        )
     )
     return 0
 

@@ -16,7 +16,7 @@ from celery import Celery  # type: ignore[import-untyped]
 from api.db import session_scope
 from api.repositories import runs
 from api.settings import Settings
-from worker.celery_app import RUN_JOB
+from api.tasks import RUN_JOB
 
 log = logging.getLogger("proxima.sweeper")
 

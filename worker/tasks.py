@@ -39,21 +39,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic import ValidationError
+
 from api import ids
 from api.db import session_scope
 from api.repositories import runs
 from api.services.jobs import reward_model_refs
 from api.settings import Settings
+from api.status import JobStatus
 from api.storage import ArtifactStore, NotFound, store_from_url
+from api.tasks import RUN_JOB
 from trainer import metrics as M
-from worker.celery_app import RUN_JOB, app
+from worker import messages as msg
+from worker.celery_app import app
 from worker.celery_app import settings as current_settings
-from worker.errors import JobError
+from worker.errors import ErrorCode, JobError
 from worker.lease import Heartbeat
 from worker.validation import dataset_message, download_dataset, validate_files
 
 log = logging.getLogger("proxima.worker")
 
+TRAINING_COPY, VALIDATION_COPY = "train.jsonl", "validation.jsonl"  # file names in the run folder's data/
 CONTROL_POLL_S = 1.0  # how often the database is read for cancel and pause requests
 STDERR_TAIL_LINES = 20
 _PROCESS_TOKEN = uuid.uuid4().hex[:8]
@@ -86,12 +92,12 @@ def resolve_model(name: str, model_store: Path) -> str:
     path = Path(name)
     if path.is_absolute() or name.startswith(("./", "../")):
         if not (path / "config.json").is_file():
-            raise JobError("model_not_available", f"model {name!r} is not available on this worker: no model there")
+            message = f"model {name!r} is not available on this worker: no model there"
+            raise JobError(ErrorCode.MODEL_NOT_AVAILABLE, message)
         return name
     if name == "tiny-arith":
-        raise JobError(
-            "model_not_available", f"model {name!r} is not built on this worker: run `proxima models build {name}`"
-        )
+        message = f"model {name!r} is not built on this worker: run `proxima models build {name}`"
+        raise JobError(ErrorCode.MODEL_NOT_AVAILABLE, message)
     return name
 
 
@@ -126,8 +132,8 @@ def run_job(job_id: str, *, settings: Settings, worker_id: str) -> str:
     """Run one attempt at ``job_id`` if this worker can claim it; returns the status it ended in, or ``"skipped"``
     (not claimable: finished, paused, cancelled, or held by a live lease) or ``"lost"`` (the lease was taken)."""
     url = settings.db_url
-    if validate_files(job_id, settings=settings, store=store_for(settings), worker_id=worker_id) == "failed":
-        return "failed"
+    if validate_files(job_id, settings=settings, store=store_for(settings), worker_id=worker_id) == JobStatus.FAILED:
+        return JobStatus.FAILED
     with session_scope(url) as s:
         if not runs.claim(s, job_id=job_id, worker_id=worker_id, lease_seconds=settings.lease_seconds):
             log.info("job %s not claimable by %s: skipped", job_id, worker_id)
@@ -158,10 +164,10 @@ def run_job(job_id: str, *, settings: Settings, worker_id: str) -> str:
                 s,
                 job_id=job_id,
                 worker_id=worker_id,
-                status="failed",
-                error={"code": "internal_error", "message": "internal worker error", "param": None},
+                status=JobStatus.FAILED,
+                error={"code": ErrorCode.INTERNAL_ERROR, "message": "internal worker error", "param": None},
             )
-        return "failed"
+        return JobStatus.FAILED
     finally:
         with session_scope(url) as s:
             runs.release_lease(s, job_id=job_id, worker_id=worker_id)
@@ -174,6 +180,7 @@ class _Runner:
         self.url = settings.db_url
         self.store = store_for(settings)
         self.job_id = attempt.job_id
+        self.data_dir = run_dir / "data"  # the datasets' local copies the trainer reads
         self.stop_reason: str | None = None
 
     # -- preparation ----------------------------------------------------------------------------------------------
@@ -190,15 +197,14 @@ class _Runner:
         with session_scope(self.url) as s:
             job = runs.get_job(s, job_id=job_id)
             found = None
-            if job is not None and job.status == "succeeded":
+            if job is not None and job.status == JobStatus.SUCCEEDED:
                 for file_id in job.result_files or []:
                     f = runs.get_file(s, file_id=file_id)
                     if f is not None and not f.deleted and f.filename.endswith("-adapter.tar.gz"):
                         found = (f.storage_key, job.model)
         if found is None:
-            raise JobError(
-                "invalid_reward_model", f"reward model job {job_id} no longer has a stored adapter to grade with"
-            )
+            message = f"reward model job {job_id} no longer has a stored adapter to grade with"
+            raise JobError(ErrorCode.INVALID_REWARD_MODEL, message)
         key, base = found
         archive = dest.with_suffix(".tar.gz")
         dest.mkdir(parents=True)
@@ -206,7 +212,7 @@ class _Runner:
             self.store.get_to_path(key, archive)
         except NotFound:
             raise JobError(
-                "invalid_reward_model", f"reward model {job_id}'s adapter is missing from the store"
+                ErrorCode.INVALID_REWARD_MODEL, f"reward model {job_id}'s adapter is missing from the store"
             ) from None
         with tarfile.open(archive) as tar:
             tar.extractall(dest, filter="data")
@@ -239,11 +245,11 @@ class _Runner:
     def _prepare(self) -> None:
         a = self.a
         spec = dict(a.spec)
-        data = self.run_dir / "data"
+        data = self.data_dir
         data.mkdir()
-        spec["training_file"] = self._download_file(a.training_file, data / "train.jsonl")
+        spec["training_file"] = self._download_file(a.training_file, data / TRAINING_COPY)
         if a.validation_file:
-            spec["validation_file"] = self._download_file(a.validation_file, data / "validation.jsonl")
+            spec["validation_file"] = self._download_file(a.validation_file, data / VALIDATION_COPY)
         else:
             spec.pop("validation_file", None)
         spec["model"] = resolve_model(str(spec.get("model") or a.model), self.settings.model_store)
@@ -302,12 +308,12 @@ class _Runner:
                 encoding="utf-8",
             )
         assert proc.stdin is not None and proc.stdout is not None
-        messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        messages: queue.Queue[msg.RunnerMessage | None] = queue.Queue()
         reader = threading.Thread(target=_read_messages, args=(proc.stdout, messages), daemon=True)
         reader.start()
 
         stop_reason: str | None = None
-        final: dict[str, Any] | None = None
+        final: msg.Done | msg.Error | None = None
         next_poll = 0.0
         try:
             while True:
@@ -324,15 +330,15 @@ class _Runner:
                         _send_stop(proc.stdin)
                         self.stop_reason = stop_reason
                 try:
-                    msg = messages.get(timeout=0.2)
+                    message = messages.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                if msg is None:
+                if message is None:
                     break
-                if msg["type"] in ("done", "error"):
-                    final = msg
+                if isinstance(message, msg.Done | msg.Error):
+                    final = message
                 else:
-                    self._record(msg)
+                    self._record(message)
         except BaseException:
             proc.kill()
             proc.wait()
@@ -344,69 +350,73 @@ class _Runner:
             cancel, pause = runs.control_flags(s, job_id=self.job_id)
         if heartbeat.lost.is_set():
             return "lost"
-        if final is not None and final["type"] == "done" and rc == 0:
-            if final["stopped"]:
-                return self._stopped(stopped_as(stop_reason, cancel_now=cancel), final["last_step"])
+        if isinstance(final, msg.Done) and rc == 0:
+            if final.stopped:
+                return self._stopped(stopped_as(stop_reason, cancel_now=cancel), final.last_step)
             return self._succeed()
         if cancel:
             return self._stopped("cancel", None)
-        if final is not None and final["type"] == "error":
-            return self._fail(final["code"], self._user_message(final))
+        if isinstance(final, msg.Error):
+            return self._fail(final.code, self._user_message(final))
         if rc in (-9, 137):
-            return self._fail("out_of_memory", OOM_HINT)
+            return self._fail(ErrorCode.OUT_OF_MEMORY, OOM_HINT)
         tail = _tail(stderr_path, STDERR_TAIL_LINES)
-        return self._fail("trainer_error", f"the trainer exited with code {rc}. Its last output:\n{tail}".rstrip())
+        message = f"the trainer exited with code {rc}. Its last output:\n{tail}".rstrip()
+        return self._fail(ErrorCode.TRAINER_ERROR, message)
 
-    def _user_message(self, error: dict[str, Any]) -> str:
+    def _user_message(self, error: msg.Error) -> str:
         """A dataset error names the user's file id and line, not the worker's local copy of the file."""
-        message: str = error["message"]
-        if error["code"] != "invalid_file" or not error.get("detail"):
-            return message
-        data = str(self.run_dir / "data")
-        if message.startswith(f"{data}/validation.jsonl") and self.a.validation_file:
-            which, file_id = "validation", self.a.validation_file
-        elif message.startswith(f"{data}/train.jsonl"):
+        if error.path is None or error.detail is None:
+            return error.message
+        local = Path(error.path)
+        if local == self.data_dir / TRAINING_COPY:
             which, file_id = "training", self.a.training_file
+        elif local == self.data_dir / VALIDATION_COPY and self.a.validation_file:
+            which, file_id = "validation", self.a.validation_file
         else:
-            return message
-        return dataset_message(which, file_id, line=error.get("line"), detail=error["detail"])
+            return error.message
+        return dataset_message(which, file_id, line=error.line, detail=error.detail)
 
     # -- messages ------------------------------------------------------------------------------------------------
 
-    def _record(self, msg: dict[str, Any]) -> None:
-        kind = msg["type"]
-        if kind == "stopping":
-            what = "Cancellation" if self.stop_reason == "cancel" else "Pause"
-            done = int(msg["completed_step"])
-            with session_scope(self.url) as s:
-                runs.add_event(
-                    s,
-                    job_id=self.job_id,
-                    level="info",
-                    message=f"{what} requested: the trainer stops after step {done + 1} at the latest",
-                    data={"completed_step": done},
-                )
-            return
-        if kind == "checkpoint":
-            self._upload_checkpoint(int(msg["step"]), Path(msg["path"]), msg["metrics"])
-            return
-        with session_scope(self.url) as s:
-            if kind == "started":
-                self.a.total_steps = int(msg["total_steps"])
-                runs.update_progress(
-                    s,
-                    job_id=self.job_id,
-                    current_step=self.a.resume_step,
-                    total_steps=self.a.total_steps,
-                    trained_tokens=None,
-                    estimated_finish=None,
-                )
-            elif kind == "event":
-                runs.add_event(s, job_id=self.job_id, level=msg["level"], message=msg["message"], data=msg["data"])
-            elif kind == "rollouts":
-                runs.add_rollouts(s, job_id=self.job_id, step=int(msg["step"]), rollouts=msg["rollouts"])
-            elif kind == "metrics":
-                self._record_metrics(s, int(msg["step"]), msg["metrics"])
+    def _record(self, message: msg.RunnerMessage) -> None:
+        match message:
+            case msg.Stopping(completed_step=done):
+                what = "Cancellation" if self.stop_reason == "cancel" else "Pause"
+                with session_scope(self.url) as s:
+                    runs.add_event(
+                        s,
+                        job_id=self.job_id,
+                        level="info",
+                        message=f"{what} requested: the trainer stops after step {done + 1} at the latest",
+                        data={"completed_step": done},
+                    )
+            case msg.Checkpoint():
+                self._upload_checkpoint(message.step, Path(message.path), message.metrics)
+            case msg.Started():
+                self.a.total_steps = message.total_steps
+                with session_scope(self.url) as s:
+                    runs.update_progress(
+                        s,
+                        job_id=self.job_id,
+                        current_step=self.a.resume_step,
+                        total_steps=self.a.total_steps,
+                        trained_tokens=None,
+                        estimated_finish=None,
+                    )
+            case msg.Event():
+                with session_scope(self.url) as s:
+                    runs.add_event(
+                        s, job_id=self.job_id, level=message.level, message=message.message, data=message.data
+                    )
+            case msg.Rollouts():
+                with session_scope(self.url) as s:
+                    runs.add_rollouts(s, job_id=self.job_id, step=message.step, rollouts=message.rollouts)
+            case msg.Metrics():
+                with session_scope(self.url) as s:
+                    self._record_metrics(s, message.step, message.metrics)
+            case msg.Done() | msg.Error():  # the run's outcome: _supervise handles it
+                raise AssertionError(f"{message.kind} is not a progress message")
 
     def _record_metrics(self, s: Any, step: int, values: dict[str, float | None]) -> None:
         a = self.a
@@ -467,7 +477,7 @@ class _Runner:
         a = self.a
         adapter = self.run_dir / "adapter"
         if not (adapter / "adapter_config.json").is_file():
-            return self._fail("trainer_error", "the trainer finished without writing the final adapter")
+            return self._fail(ErrorCode.TRAINER_ERROR, "the trainer finished without writing the final adapter")
         adapter_id, csv_id = ids.file_id(), ids.file_id()
         archive = archive_adapter(adapter, self.run_dir / "adapter.tar.gz")
         adapter_key = f"files/{a.tenant_id}/{adapter_id}.tar.gz"
@@ -499,7 +509,7 @@ class _Runner:
                 s,
                 job_id=self.job_id,
                 worker_id=self.worker_id,
-                status="succeeded",
+                status=JobStatus.SUCCEEDED,
                 fine_tuned_model=model,
                 result_files=[csv_id, adapter_id],
             ):
@@ -517,31 +527,33 @@ class _Runner:
             )
             runs.add_event(s, job_id=self.job_id, level="info", message=f"New fine-tuned model created: {model}")
             runs.add_event(s, job_id=self.job_id, level="info", message="The job has successfully completed")
-        return "succeeded"
+        return JobStatus.SUCCEEDED
 
     def _stopped(self, reason: str, step: int | None) -> str:
-        status = "cancelled" if reason == "cancel" else "paused"
+        status = JobStatus.CANCELLED if reason == "cancel" else JobStatus.PAUSED
         at = f" at step {step}" if step is not None else ""
         message = (
-            f"The job was cancelled{at}" if status == "cancelled" else f"The job was paused{at}: resume continues there"
+            f"The job was cancelled{at}"
+            if status == JobStatus.CANCELLED
+            else f"The job was paused{at}: resume continues there"
         )
         with session_scope(self.url) as s:
             if runs.finish(s, job_id=self.job_id, worker_id=self.worker_id, status=status):
                 runs.add_event(s, job_id=self.job_id, level="info", message=message)
         return status
 
-    def _fail(self, code: str, message: str) -> str:
+    def _fail(self, code: ErrorCode, message: str) -> str:
         with session_scope(self.url) as s:
             if runs.finish(
                 s,
                 job_id=self.job_id,
                 worker_id=self.worker_id,
-                status="failed",
+                status=JobStatus.FAILED,
                 error={"code": code, "message": message, "param": None},
             ):
                 runs.add_event(s, job_id=self.job_id, level="error", message=f"The job failed: {message}")
         log.warning("job %s failed (%s): %s", self.job_id, code, message)
-        return "failed"
+        return JobStatus.FAILED
 
 
 def stopped_as(stop_reason: str | None, *, cancel_now: bool) -> str:
@@ -566,23 +578,25 @@ def metrics_csv(rows: Sequence[tuple[int, Mapping[str, float | None]]]) -> bytes
     return out.getvalue().encode()
 
 
-def _read_messages(stream: IO[str], out: queue.Queue[dict[str, Any] | None]) -> None:
+def _read_messages(stream: IO[str], out: queue.Queue[msg.RunnerMessage | None]) -> None:
+    """Each line of the trainer's stdout parsed once into its typed message; a line that is not one is logged and
+    dropped (the trainer's own output goes to stderr, so this is a protocol bug, not the user's)."""
     try:
         for line in stream:
             line = line.strip()
             if not line:
                 continue
             try:
-                out.put(json.loads(line))
-            except json.JSONDecodeError:
-                log.warning("unreadable message from the trainer: %.200s", line)
+                out.put(msg.decode(line))
+            except ValidationError as err:
+                log.warning("unreadable message from the trainer (%s): %.200s", err.errors()[0]["msg"], line)
     finally:
         out.put(None)
 
 
 def _send_stop(stdin: IO[str]) -> None:
     with contextlib.suppress(OSError, ValueError):  # the trainer already exited
-        stdin.write("stop\n")
+        stdin.write(msg.STOP + "\n")
         stdin.flush()
 
 

@@ -18,15 +18,16 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from api.db import session_scope
 from api.repositories import runs
 from api.settings import Settings
+from api.status import JobStatus
 from api.storage import ArtifactStore, NotFound
 from trainer.config import JobSpec, parse_spec
 from trainer.data import DatasetError, load_preferences, load_prompts, load_supervised
-from worker.errors import JobError
+from worker.errors import ErrorCode, JobError
 from worker.lease import Heartbeat
 
 log = logging.getLogger("proxima.worker")
@@ -47,11 +48,13 @@ def download_dataset(url: str, store: ArtifactStore, *, file_id: str, dest: Path
         f = runs.get_file(s, file_id=file_id)
         key = f.storage_key if f is not None and not f.deleted else None
     if key is None:
-        raise JobError("invalid_file", f"file {file_id} no longer exists: upload it again and create a new job")
+        raise JobError(ErrorCode.INVALID_FILE, f"file {file_id} no longer exists: upload it again and create a new job")
     try:
         store.get_to_path(key, dest)
     except NotFound:
-        raise JobError("invalid_file", f"file {file_id}'s contents are missing from the artifact store") from None
+        raise JobError(
+            ErrorCode.INVALID_FILE, f"file {file_id}'s contents are missing from the artifact store"
+        ) from None
     return dest
 
 
@@ -88,15 +91,17 @@ def _verdict(
                 check_dataset(path, spec)
             except DatasetError as err:
                 message = dataset_message(which, file_id, line=err.line, detail=err.detail)
-                return JobError("invalid_file", message, param=param)
+                return JobError(ErrorCode.INVALID_FILE, message, param=param)
             except JobError as err:
                 err.param = param
                 return err
     return None
 
 
-def validate_files(job_id: str, *, settings: Settings, store: ArtifactStore, worker_id: str) -> str:
-    """Run the job's ``validating_files`` phase if it is in it; returns ``"queued"`` (files valid), ``"failed"``
+def validate_files(
+    job_id: str, *, settings: Settings, store: ArtifactStore, worker_id: str
+) -> Literal[JobStatus.QUEUED, JobStatus.FAILED, "skipped"]:
+    """Run the job's ``validating_files`` phase if it is in it; returns ``queued`` (files valid), ``failed``
     (a bad file, recorded as the job's error and an event) or ``"skipped"`` (not validating files, another worker
     validating them, or cancelled or paused meanwhile)."""
     url = settings.db_url
@@ -113,7 +118,7 @@ def validate_files(job_id: str, *, settings: Settings, store: ArtifactStore, wor
             problem = _verdict(url, store, spec_json, files)
         except Exception:  # a bug, not the user's file: fail the job rather than retry it forever
             log.exception("job %s: worker error while validating its files", job_id)
-            problem = JobError("internal_error", "internal worker error")
+            problem = JobError(ErrorCode.INTERNAL_ERROR, "internal worker error")
         error = None if problem is None else {"code": problem.code, "message": problem.message, "param": problem.param}
         with session_scope(url) as s:
             if not runs.end_validation(s, job_id=job_id, worker_id=worker_id, error=error):
@@ -128,6 +133,6 @@ def validate_files(job_id: str, *, settings: Settings, store: ArtifactStore, wor
             runs.release_lease(s, job_id=job_id, worker_id=worker_id)
     if problem is not None:
         log.warning("job %s failed validation (%s): %s", job_id, problem.code, problem.message)
-        return "failed"
+        return JobStatus.FAILED
     log.info("job %s: files validated, queued", job_id)
-    return "queued"
+    return JobStatus.QUEUED

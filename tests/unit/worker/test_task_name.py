@@ -1,0 +1,40 @@
+"""The Celery task name exists once (``api.tasks``): the API enqueues by it, the worker registers under it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api import tasks
+from worker import sweeper
+from worker.tasks import run_job_task
+
+
+def test_the_worker_registers_the_task_under_the_apis_name() -> None:
+    assert tasks.RUN_JOB == "proxima.jobs.run"
+    assert run_job_task.name == tasks.RUN_JOB
+
+
+def test_the_sweeper_enqueues_by_that_name(monkeypatch: Any) -> None:
+    sent: list[tuple[str, list[str]]] = []
+
+    class App:
+        def send_task(self, name: str, args: list[str]) -> None:
+            sent.append((name, args))
+
+    class Session:
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+    monkeypatch.setattr(sweeper, "session_scope", lambda url: Session())
+    monkeypatch.setattr(sweeper.runs, "stranded_jobs", lambda s, **kw: ["ftjob-a"])
+    monkeypatch.setattr(sweeper.runs, "mark_enqueued", lambda s, job_id: None)
+
+    class Settings:
+        db_url = "sqlite://"
+        lease_seconds = 30.0
+
+    assert sweeper.sweep_once(App(), Settings()) == ["ftjob-a"]  # type: ignore[arg-type]
+    assert sent == [("proxima.jobs.run", ["ftjob-a"])]
