@@ -1,4 +1,5 @@
-"""`proxima serve` on the embedded default, driven by the client commands: upload, create, follow, download."""
+"""`proxima serve` on the embedded default, driven by the client commands: upload, create, follow, download; its API
+process never loads torch."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def server(random_model_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
             time.sleep(0.3)
-        yield env
+        yield {**env, "SERVE_PID": str(proc.pid)}
         # SIGTERM to `proxima serve` alone: its worker must go with it, leaving no process behind.
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -136,6 +137,9 @@ def test_client_commands_run_a_job_end_to_end(server: dict[str, str], arithmetic
     assert dl.returncode == 0, dl.stderr
     with tarfile.open(out) as tar:
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(tar.getnames())
+
+    # The API process served all of this (a job's creation, its files, its progress) without loading torch.
+    assert "libtorch" not in Path(f"/proc/{server['SERVE_PID']}/maps").read_text()
 
     key_b = proxima(server, "keys", "create", "--tenant", "team-b")
     assert key_b.returncode == 0, key_b.stderr

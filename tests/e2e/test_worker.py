@@ -1,5 +1,5 @@
 """Workers end to end on PostgreSQL + Redis with real worker processes: a job's whole life, cancel, a trainer crash,
-two workers racing for one job, and a job whose broker message was lost."""
+two workers racing for one job, a job whose broker message was lost, and the validating_files phase."""
 
 from __future__ import annotations
 
@@ -171,6 +171,30 @@ def test_failures_end_failed_with_an_actionable_code_and_the_workers_serve_the_n
         "no prompt: expected a 'messages' list or a 'prompt' string"
     )
     assert service.wait_status(good, "succeeded", "failed").status == "succeeded"
+
+
+def test_a_job_validating_files_is_validated_by_a_worker_then_trained_and_a_bad_file_never_starts_a_trainer(
+    service: Service, random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    spec = grpo_spec(str(random_model_dir), steps=2)
+    good = service.create_job(spec, arithmetic_data)
+    bad = service.create_job(spec, corrupt_dataset(arithmetic_data, tmp_path / "bad"))
+    for job_id in (good, bad):
+        service.set_flag(job_id, status="validating_files")  # as POST /v1/fine_tuning/jobs leaves it
+        service.send(job_id)
+
+    failed = service.wait_status(bad, "failed", "queued", "running", "succeeded")
+    problem = "no prompt: expected a 'messages' list or a 'prompt' string"
+    message = f"training file {failed.training_file}, line 3: {problem}"
+    assert failed.status == "failed"
+    assert failed.error == {"code": "invalid_file", "message": message, "param": "training_file"}
+    assert failed.attempts == 0 and failed.started_at is None and failed.lease_owner is None  # no trainer ran
+    assert [(e.level, e.message) for e in service.events(bad)] == [("error", f"The job failed: {message}")]
+
+    done = service.wait_status(good, "succeeded", "failed")
+    assert done.status == "succeeded" and done.attempts == 1, done.error
+    messages = [e.message for e in service.events(good) if e.type == "message"]
+    assert messages[:2] == ["Validated files; job queued", "Fine-tuning job started"]
 
 
 def runner_pid(job_id: str) -> int | None:
