@@ -1,6 +1,8 @@
-# One image for the API and the workers: PyPI's Linux x86_64 torch wheel carries CUDA, so workers use the GPU that
-# docker-compose reserves for them.
-FROM python:3.11-slim
+# Two images from one file. `api`: the service (API, migrations, REST clients), which imports no torch. `worker`: the
+# trainer on top of it; PyPI's Linux x86_64 torch wheel carries CUDA, so workers use the GPU that docker-compose
+# reserves for them. Until pyproject.toml moves the trainer's dependencies (torch, transformers, peft, ...) into the
+# `train` extra, both images hold them; the API process loads none of them either way.
+FROM python:3.11-slim AS api
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PROXIMA_HOME=/data
 WORKDIR /app
@@ -15,3 +17,7 @@ RUN pip install -c constraints.txt -e .  # editable: migrations/ is read from th
 
 EXPOSE 8000
 CMD ["proxima", "serve", "--host", "0.0.0.0", "--port", "8000", "--no-worker"]
+
+FROM api AS worker
+RUN pip install -c constraints.txt -e ".[train]"
+CMD ["proxima", "worker", "--concurrency", "1"]

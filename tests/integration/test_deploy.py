@@ -24,11 +24,12 @@ def _proxima_commands(command: list[str] | str) -> list[list[str]]:
 def test_compose_has_the_services_and_every_command_exists() -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"postgres", "redis", "api", "worker"} <= set(services)
+    assert {"postgres", "redis", "api", "models-init", "worker"} <= set(services)
     assert services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert services["worker"]["depends_on"]["models-init"] == {"condition": "service_completed_successfully"}
     runner = CliRunner()
     seen = 0
-    for name in ("api", "worker"):
+    for name in ("api", "models-init", "worker"):
         for argv in _proxima_commands(services[name]["command"]):
             words = [w for w in argv if not w.startswith("-")][:2]
             # `proxima db upgrade`, `proxima serve`, `proxima worker`, `proxima models build ...`
@@ -36,9 +37,18 @@ def test_compose_has_the_services_and_every_command_exists() -> None:
             result = runner.invoke(app, [*path, "--help"])
             assert result.exit_code == 0, (name, argv, result.output)
             seen += 1
-    assert seen >= 3
+    assert seen >= 4
     env = compose["x-proxima-env"]
     assert env["PROXIMA_DATABASE_URL"].startswith("postgresql") and env["PROXIMA_BROKER_URL"].startswith("redis://")
+
+
+def test_the_api_runs_the_torch_free_image_and_the_workers_the_trainers() -> None:
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    targets = {name: services[name]["build"]["target"] for name in ("api", "models-init", "worker")}
+    assert targets == {"api": "api", "models-init": "worker", "worker": "worker"}
+    stages = [line.split()[-1] for line in (REPO / "Dockerfile").read_text().splitlines() if line.startswith("FROM ")]
+    assert stages == ["api", "worker"]
+    assert "models" not in services["api"]["command"][-1]  # building a model needs torch: the worker image's job
 
 
 def test_dockerfile_copies_paths_that_exist() -> None:
