@@ -27,7 +27,7 @@ from api.storage import ArtifactStore, store_from_url
 
 async def app_settings(request: Request) -> Settings:
     """The settings the app was built with (``create_app(settings)``; tests pass theirs there)."""
-    return request.app.state.settings  # type: ignore[no-any-return]
+    return request.app.state.settings
 
 
 SettingsDep = Annotated[Settings, Depends(app_settings)]

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 from urllib.parse import unquote, urlparse
 
-import boto3  # type: ignore[import-untyped]
-from botocore.config import Config  # type: ignore[import-untyped]
-from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 # S3 rejects parts under 5 MiB except the last one; 8 MiB parts allow objects up to 80 GB (10,000 parts).

@@ -3,7 +3,7 @@ who runs the job, so a redelivered or duplicated message is harmless (design §1
 
 from __future__ import annotations
 
-from celery import Celery  # type: ignore[import-untyped]
+from celery import Celery
 
 from api.settings import Settings, get_settings
 

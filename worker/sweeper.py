@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from celery import Celery  # type: ignore[import-untyped]
+from celery import Celery
 
 from api.db import session_scope
 from api.repositories import runs

@@ -361,8 +361,9 @@ class _Runner:
         if rc in (-9, 137):
             return self._fail(ErrorCode.OUT_OF_MEMORY, OOM_HINT)
         tail = _tail(stderr_path, STDERR_TAIL_LINES)
-        message = f"the trainer exited with code {rc}. Its last output:\n{tail}".rstrip()
-        return self._fail(ErrorCode.TRAINER_ERROR, message)
+        return self._fail(
+            ErrorCode.TRAINER_ERROR, f"the trainer exited with code {rc}. Its last output:\n{tail}".rstrip()
+        )
 
     def _user_message(self, error: msg.Error) -> str:
         """A dataset error names the user's file id and line, not the worker's local copy of the file."""

@@ -36,7 +36,7 @@ def page(
         stmt = stmt.where(File.purpose == purpose)
     key = tuple_(File.created_at, File.id)
     if after is not None:
-        bound = tuple_(after.created_at, after.id)  # type: ignore[arg-type]
+        bound = tuple_(after.created_at, after.id)
         stmt = stmt.where(key > bound if order == "asc" else key < bound)
     if order == "asc":
         stmt = stmt.order_by(File.created_at.asc(), File.id.asc())

@@ -58,7 +58,7 @@ def page(
         # A JSON column stores Python None as JSON 'null' unless the value was never set (SQL NULL).
         stmt = stmt.where(or_(Job.metadata_.is_(None), cast(Job.metadata_, Text) == "null"))
     if after is not None:
-        stmt = stmt.where(tuple_(Job.created_at, Job.id) < tuple_(after.created_at, after.id))  # type: ignore[arg-type]
+        stmt = stmt.where(tuple_(Job.created_at, Job.id) < tuple_(after.created_at, after.id))
     stmt = stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
     rows = list(session.scalars(stmt))
     return rows[:limit], len(rows) > limit
@@ -142,7 +142,11 @@ def checkpoints_page(
 # -- metrics and rollouts -------------------------------------------------------------------------------------
 
 
-def metrics(session: Session, *, job_id: str, after_step: int | None, limit: int | None) -> list[Row[Any]]:
+MetricRow = Row[int, dict[str, float]]
+"""(step, values) of one step's metrics."""
+
+
+def metrics(session: Session, *, job_id: str, after_step: int | None, limit: int | None) -> list[MetricRow]:
     """The per-step series ordered by step, from the step after ``after_step``: rows of ``(step, values)``, not ORM
     objects (a long run's 10,000 rows cost half the CPU this way)."""
     stmt = select(JobMetric.step, JobMetric.values).where(JobMetric.job_id == job_id)

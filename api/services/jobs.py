@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, BinaryIO
 
-from celery import Celery  # type: ignore[import-untyped]
+from celery import Celery
 from sqlalchemy import Connection, Row
 from sqlalchemy.orm import Session
 
@@ -308,7 +308,8 @@ def cancel(*, session: Session, tenant: Caller, job_id: str) -> Job:
 def pause(*, session: Session, tenant: Caller, job_id: str) -> Job:
     """A queued job pauses now; a running one pauses at its next checkpoint (the worker sets ``paused``)."""
     job = get(session=session, tenant=tenant, job_id=job_id)
-    if job.status == JobStatus.PAUSED or (job.status == JobStatus.RUNNING and job.pause_requested):
+    status = job.status  # as read: each transition below refreshes job
+    if status == JobStatus.PAUSED or (status == JobStatus.RUNNING and job.pause_requested):
         return job
     if jobs_repo.transition(session, job=job, from_statuses=WAITING, status=JobStatus.PAUSED):
         jobs_repo.add_event(session, job_id=job.id, level="info", message="Fine-tuning job paused")
@@ -376,7 +377,7 @@ def checkpoints(
 
 def metrics(
     *, session: Session, tenant: Caller, job_id: str, after_step: int | None, limit: int | None
-) -> tuple[list[Row[Any]], bool]:
+) -> tuple[list[jobs_repo.MetricRow], bool]:
     job = get(session=session, tenant=tenant, job_id=job_id)
     rows = jobs_repo.metrics(session, job_id=job.id, after_step=after_step, limit=None if limit is None else limit + 1)
     if limit is not None and len(rows) > limit:
