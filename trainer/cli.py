@@ -169,7 +169,7 @@ def eval_cmd(
         device = default_device()
         net: torch.nn.Module = load_base_model(path, device)
         if adapter is not None:
-            net = load_adapter(net, adapter)  # type: ignore[arg-type]
+            net = load_adapter(net, adapter)
         res = evaluate(
             net,
             tok,

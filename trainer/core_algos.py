@@ -153,7 +153,9 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Advantage estimators: rewards [P, G] → advantages [P, G] (one scalar per sample, broadcast over its tokens)
+# Advantage estimators: (AdvantageInputs, AdvantageOptions) → AdvantageOutput. The group estimators are the math
+# functions rewards [P, G] → advantages [P, G] (one scalar per sample, broadcast over its tokens), registered through
+# ``_per_sequence``; GAE gives per-token advantages and the critic's returns.
 # ---------------------------------------------------------------------------------------------------------------
 
 ZERO_STD = 1e-6
@@ -169,10 +171,40 @@ class AdvantageOptions:
     scale: Literal["group", "batch", "none"] = "group"
     std_eps: float = 1e-4
     baseline: Literal["none", "batch_mean"] = "batch_mean"
+    gamma: float = 1.0  # GAE's discount
+    lam: float = 0.95  # GAE's λ
+    whiten: bool = True  # GAE: whiten the advantages over the batch's trained tokens
 
 
-AdvantageEstimator = Callable[[Tensor, AdvantageOptions], Tensor]
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator reads; ``N = P·G`` rows, the rows of a group adjacent."""
+
+    rewards: Tensor  # [N] sequence rewards
+    group_size: int  # G
+    mask: Tensor  # [N, C] the policy's tokens (need not be a prefix: an episode's environment tokens are 0)
+    token_rewards: Tensor | None = None  # [N, C] per-token rewards (a critic's methods)
+    values: Tensor | None = None  # [N, C] the critic's V at sampling time
+
+
+@dataclass(frozen=True)
+class AdvantageOutput:
+    advantages: Tensor  # [N] one per sequence, or [N, C] per token
+    returns: Tensor | None = None  # [N, C] the critic's regression targets (GAE)
+
+
+AdvantageEstimator = Callable[[AdvantageInputs, AdvantageOptions], AdvantageOutput]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", names.ADVANTAGE_ESTIMATORS)
+
+
+def _per_sequence(fn: Callable[[Tensor, AdvantageOptions], Tensor]) -> AdvantageEstimator:
+    """A group estimator [P, G] → [P, G] as a registry entry: the [N] rewards viewed as groups, one advantage a row."""
+
+    def estimator(x: AdvantageInputs, opts: AdvantageOptions) -> AdvantageOutput:
+        return AdvantageOutput(fn(x.rewards.view(-1, x.group_size), opts).reshape(-1))
+
+    estimator.__doc__ = fn.__doc__
+    return estimator
 
 
 def _group_stats(rewards: Tensor) -> tuple[Tensor, Tensor]:
@@ -181,7 +213,6 @@ def _group_stats(rewards: Tensor) -> tuple[Tensor, Tensor]:
     return mean, std
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
 def advantage_grpo(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
     """A_i = (r_i − mean_g) / (std_g + eps), std unbiased (DeepSeekMath, arXiv 2402.03300). [P, G] → [P, G].
 
@@ -199,7 +230,6 @@ def advantage_grpo(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
     return torch.where(std < ZERO_STD, torch.zeros_like(adv), adv)
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def advantage_dr_grpo(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
     """A_i = r_i − mean_g: GRPO without the std division (Dr. GRPO, arXiv 2503.20783). [P, G] → [P, G]."""
     mean, std = _group_stats(rewards)
@@ -207,7 +237,6 @@ def advantage_dr_grpo(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
     return torch.where(std < ZERO_STD, torch.zeros_like(adv), adv)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
 def advantage_rloo(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
     """A_i = r_i − (1/(G−1)) Σ_{j≠i} r_j = G/(G−1)·(r_i − mean_g) (Ahmadian et al. 2024, arXiv 2402.14740).
 
@@ -220,12 +249,20 @@ def advantage_rloo(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
     return rewards - loo_baseline
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce")
 def advantage_reinforce(rewards: Tensor, opts: AdvantageOptions) -> Tensor:
     """A_i = r_i − b with b = 0 (``baseline='none'``) or the batch mean (Williams 1992). [P, G] → [P, G]."""
     if opts.baseline == "none":
         return rewards.clone()
     return rewards - rewards.mean()
+
+
+for _name, _fn in (
+    ("grpo", advantage_grpo),
+    ("dr_grpo", advantage_dr_grpo),
+    ("rloo", advantage_rloo),
+    ("reinforce", advantage_reinforce),
+):
+    ADVANTAGE_ESTIMATORS.register(_name)(_per_sequence(_fn))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -361,14 +398,20 @@ def aggregate_seq_mean_token_sum_norm(per_token: Tensor, mask: Tensor, scale: Lo
 def ppo_token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, *, beta: float) -> Tensor:
     """Per-token rewards of RLHF's PPO (Ziegler et al. 2019; Ouyang et al. 2022): r_t = −β·KL_t on every completion
     token, and the score added on the last one (verl's and OpenRLHF's placement, not TRL's one-past-EOS slot,
-    rl-algorithms §4.5). scores [B], kl and mask [B, T] → [B, T], 0 where mask = 0. A sequence with no completion
-    token gets no reward."""
-    m = mask.to(kl.dtype)
+    rl-algorithms §4.5): the last token of ``mask``, the policy's last token, not the sequence's. scores [B], kl and
+    mask [B, T] → [B, T], 0 where mask = 0. A sequence with no policy token gets no reward."""
     rewards = torch.where(mask.bool(), -beta * kl, torch.zeros_like(kl))
-    lengths = m.sum(-1).long()  # the completion mask is a prefix: its last 1 is at length − 1
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    rewards[rows, lengths[rows] - 1] += scores[rows].to(rewards.dtype)
+    rows = torch.nonzero(mask.bool().any(-1)).squeeze(-1)
+    rewards[rows, last_true(mask)[rows]] += scores[rows].to(rewards.dtype)
     return rewards
+
+
+def last_true(mask: Tensor) -> Tensor:
+    """Index of the last nonzero of each row of ``mask`` [B, T] → [B] (0 for an all-zero row). The policy mask of
+    an episode is not a prefix (environment tokens may follow the last policy token): its last 1 is not length − 1."""
+    t = mask.shape[-1]
+    positions = torch.arange(t, device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.zeros_like(positions)).amax(-1)
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
@@ -391,6 +434,19 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: flo
         adv[:, t] = last_adv
     adv = adv * m
     return adv, (adv + values) * m
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def advantage_gae(x: AdvantageInputs, opts: AdvantageOptions) -> AdvantageOutput:
+    """PPO's estimator: :func:`gae` over the per-token rewards and the critic's values (both required), then (with
+    ``opts.whiten``) whitened over the policy's tokens. → advantages [N, C] and returns [N, C]."""
+    if x.token_rewards is None or x.values is None:
+        raise ValueError("GAE needs per-token rewards and a value model's values (a recipe with a critic)")
+    m = x.mask.to(torch.float32)
+    adv, returns = gae(x.token_rewards, x.values, m, gamma=opts.gamma, lam=opts.lam)
+    if opts.whiten:
+        adv = masked_whiten(adv, m) * m
+    return AdvantageOutput(adv, returns)
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,10 @@ import torch
 from peft import LoraConfig, PeftModel
 from torch import Tensor
 
-from trainer.config import LoraSpec
-from trainer.models import ModelError, Precision, add_lora, autocast
-from trainer.rollout import Rollout, position_ids
+from trainer.config import LoraSpec, PPOHyperparameters, SpecError
+from trainer.engine import cat_padded, eager_attention_for_bf16_cpu
+from trainer.models import ModelError, Precision, add_lora, autocast, load_base_model, store_frozen_linears_in
+from trainer.rollout import Rollout, completion_logprobs, micro_slices, position_ids
 
 CRITIC_ADAPTER = "critic"
 POLICY_ADAPTER = "default"
@@ -103,7 +104,7 @@ class Critic:
 
     # -- forward --------------------------------------------------------------------------------------------------
 
-    def _backbone(self) -> torch.nn.Module:
+    def _backbone(self) -> Any:
         base = self.model.get_base_model()
         backbone = getattr(base, "base_model", None)
         if backbone is None or backbone is base or not hasattr(backbone, "config"):
@@ -149,3 +150,67 @@ class Critic:
                 use_cache=False,
             ).last_hidden_state
         return self.head_values(hidden[:, -c - 1 : -1])  # position t − 1 values the state before token t
+
+    @torch.no_grad()
+    def rollout_values(self, batch: Rollout, *, precision: Precision, micro_batch_size: int | None) -> Tensor:
+        """V_old of a whole rollout, [N, C], micro-batch by micro-batch. A trunk head reads the policy's pass, which
+        also gives the policy's log-probs: use :meth:`rollout_logprobs_and_values` then."""
+        out = []
+        for sl in micro_slices(len(batch), micro_batch_size):
+            out.append(self.values(batch.select(torch.arange(sl.start, sl.stop)), precision=precision))
+        return cat_padded(out, batch.completion_ids.shape[1])
+
+    @torch.no_grad()
+    def rollout_logprobs_and_values(
+        self, batch: Rollout, *, temperature: float, precision: Precision, micro_batch_size: int | None
+    ) -> tuple[Tensor, Tensor]:
+        """A trunk critic's rollout pass: the policy's log-probs and the head's V from one forward, [N, C] each."""
+        assert self.trunk, "only a trunk head reads the policy's forward"
+        logps, values = [], []
+        for sl in micro_slices(len(batch), micro_batch_size):
+            part = batch.select(torch.arange(sl.start, sl.stop))
+            lp, _, hidden = completion_logprobs(
+                self.model, part, temperature=temperature, precision=precision, with_hidden=True
+            )
+            logps.append(lp)
+            values.append(self.head_values(hidden))
+        width = batch.completion_ids.shape[1]
+        return cat_padded(logps, width), cat_padded(values, width)
+
+
+def build_critic(
+    policy: PeftModel,
+    hp: PPOHyperparameters,
+    *,
+    lora: LoraSpec,
+    vocabulary: int,
+    seed: int,
+    device: torch.device,
+    precision: Precision,
+    where: str,
+) -> Critic:
+    """PPO's critic as ``hp`` asks: a second adapter on the policy's base, a separate ``value_model`` (which must
+    read the policy's ``vocabulary`` of token ids) or a head on the policy's trunk. Problems are :class:`SpecError`
+    naming ``where`` (the hyperparameters' path)."""
+    field = "critic" if hp.critic == "policy_trunk" else "value_model"  # config refuses both at once
+    param = f"{where}.{field}"
+    separate = None
+    if hp.value_model is not None:
+        try:
+            separate = load_base_model(hp.value_model, device)
+        except ModelError as err:
+            raise SpecError(str(err), param=param) from None
+        emb = separate.get_input_embeddings()
+        if emb is None or emb.num_embeddings < vocabulary:
+            raise SpecError(
+                f"value model {hp.value_model!r} does not share the policy's vocabulary "
+                f"({vocabulary} tokens): the critic reads the policy's token ids",
+                param=param,
+            )
+        if precision == "bf16":
+            store_frozen_linears_in(separate, torch.bfloat16)
+        eager_attention_for_bf16_cpu(separate, precision=precision, device=device)
+    try:
+        return Critic(policy, lora=lora, seed=seed, separate_base=separate, trunk=hp.critic == "policy_trunk")
+    except ModelError as err:
+        raise SpecError(str(err), param=param) from None

@@ -11,8 +11,9 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer import graders, reward_model
 from trainer.data import PromptItem
+from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
 from trainer.models import Precision
-from trainer.rollout import Rollout, generate, left_pad
+from trainer.rollout import Rollout
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,31 @@ class EvalResult:
         return {"mean_reward": self.mean_reward, "n": self.n, "sub_rewards": self.sub_means}
 
 
+def evaluate_engine(
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[list[int]],
+    items: Sequence[PromptItem],
+    grader: graders.Grader,
+    params: SamplingParams,
+    *,
+    batch_size: int = 64,
+    generator: torch.Generator | None = None,
+) -> EvalResult:
+    """Mean reward of one completion per prompt from a rollout engine (greedy at temperature 0)."""
+    texts: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        gen = engine.generate(prompts[start : start + batch_size], params, generator=generator)
+        texts += decode_completions(tokenizer, gen.rollout)
+    scores = grade_batch(grader, texts, items)
+    return EvalResult(
+        mean_reward=float(scores.rewards.mean()),
+        n=len(texts),
+        sub_means={k: float(v.mean()) for k, v in scores.sub.items()},
+        texts=texts,
+    )
+
+
 def evaluate(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -80,27 +106,12 @@ def evaluate(
     batch_size: int = 64,
     generator: torch.Generator | None = None,
 ) -> EvalResult:
-    """Mean reward of one completion per prompt (greedy at temperature 0)."""
+    """:func:`evaluate_engine` with a model sampled in this process (``proxima eval``)."""
     device = next(model.parameters()).device
-    texts: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        ids, mask = left_pad(prompts[start : start + batch_size], tokenizer.pad_token_id)
-        ro = generate(
-            model,
-            ids.to(device),
-            mask.to(device),
-            max_new_tokens=max_new_tokens,
-            eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id,
-            temperature=temperature,
-            generator=generator,
-            precision=precision,
-        )
-        texts += decode_completions(tokenizer, ro)
-    scores = grade_batch(grader, texts, items)
-    return EvalResult(
-        mean_reward=float(scores.rewards.mean()),
-        n=len(texts),
-        sub_means={k: float(v.mean()) for k, v in scores.sub.items()},
-        texts=texts,
+    engine = HFRolloutEngine(
+        model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, device=device, precision=precision
+    )
+    params = SamplingParams(max_new_tokens, temperature=temperature)
+    return evaluate_engine(
+        engine, tokenizer, prompts, items, grader, params, batch_size=batch_size, generator=generator
     )

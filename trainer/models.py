@@ -86,7 +86,7 @@ def load_base_model(model: str, device: torch.device) -> PreTrainedModel:
 def _glibc_malloc_trim() -> Callable[[int], int] | None:
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return libc.malloc_trim  # type: ignore[no-any-return]
+        return libc.malloc_trim
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
         return None
 

@@ -24,30 +24,19 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig
 
 from trainer import checkpoint as ckpt
 from trainer import metrics as M
 from trainer.callbacks import Callback
-from trainer.config import DPOHyperparameters, JobSpec, RewardModelHyperparameters, SpecError
-from trainer.core_algos import PAIRWISE_LOSSES, PairwiseOptions, cosine_or_constant_lr, masked_sum
+from trainer.config import DPOHyperparameters, JobSpec, RewardModelHyperparameters
+from trainer.core_algos import PAIRWISE_LOSSES, PairwiseOptions, masked_sum
 from trainer.data import load_preferences
 from trainer.encoding import EncodedPair, PromptSampler, completion_batch, encode_preferences
-from trainer.models import (
-    ModelError,
-    Precision,
-    add_lora,
-    default_device,
-    load_base_model,
-    load_tokenizer,
-    reference_policy,
-    resolve_precision,
-    store_frozen_linears_in,
-    trainable_parameters,
-)
+from trainer.engine import Engine, ParamGroup, check_context, eager_attention_for_bf16_cpu, load_policy, seed_everything
+from trainer.models import Precision, default_device, load_tokenizer, reference_policy, resolve_precision
 from trainer.reward_model import RewardModelInfo, build_reward_model, score_statistics, sequence_scores
 from trainer.rollout import Rollout, completion_logprobs, micro_slices
-from trainer.train import RunResult, run_steps, seed_everything
+from trainer.steps import RunResult, run_steps, validation_due
 
 STATS_PAIRS = 2048  # pairs scored at the end for a reward model's score statistics
 
@@ -72,19 +61,15 @@ class PreferenceTrainer:
         self.val_pairs = encode_preferences(
             self.tokenizer, val_items, max_length=hp.max_length, path=spec.validation_file or ""
         )
-        try:
-            model_cfg = AutoConfig.from_pretrained(spec.model)
-        except (OSError, ValueError) as err:
-            raise ModelError(f"cannot load model {spec.model!r}: {err}") from None
-        max_pos = getattr(model_cfg, "max_position_embeddings", None)
         longest = max(
             len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in self.train_pairs + self.val_pairs
         )
-        if max_pos is not None and longest > max_pos:
-            raise SpecError(
-                f"the longest pair ({longest} tokens) exceeds the model's context of {max_pos} tokens",
-                param=f"method.{spec.method.type}.hyperparameters.max_length",
-            )
+        check_context(
+            spec.model,
+            needed=longest,
+            what=f"the longest pair ({longest} tokens)",
+            param=f"method.{spec.method.type}.hyperparameters.max_length",
+        )
         if hp.eval_samples:
             self.val_pairs = self.val_pairs[: hp.eval_samples]
         self.total_steps = hp.max_steps or hp.n_epochs * math.ceil(len(self.train_pairs) / hp.batch_size)
@@ -92,7 +77,6 @@ class PreferenceTrainer:
         self.device = device or default_device()
         self.precision: Precision = resolve_precision(hp.precision, self.device)
         seed_everything(spec.seed)
-        frozen_dtype = torch.bfloat16 if self.precision == "bf16" else None
         if self.reward_model:
             self.model = build_reward_model(
                 spec.model,
@@ -100,32 +84,25 @@ class PreferenceTrainer:
                 pad_token_id=self.tokenizer.pad_token_id,
                 seed=spec.seed,
                 device=self.device,
-                frozen_dtype=frozen_dtype,
+                frozen_dtype=torch.bfloat16 if self.precision == "bf16" else None,
             )
+            eager_attention_for_bf16_cpu(self.model, precision=self.precision, device=self.device)
         else:
-            base = load_base_model(spec.model, self.device)
-            if frozen_dtype is not None:
-                store_frozen_linears_in(base, frozen_dtype)
-            self.model = add_lora(base, spec.method.lora, seed=spec.seed)
-        if self.precision == "bf16" and self.device.type == "cpu":
-            # The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md).
-            self.model.get_base_model().set_attn_implementation("eager")  # type: ignore[operator]
-        self.params = trainable_parameters(self.model)
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=hp.effective_learning_rate,
-            betas=(hp.adam_beta1, hp.adam_beta2),
-            weight_decay=hp.weight_decay,
+            self.model = load_policy(
+                spec.model, spec.method.lora, device=self.device, precision=self.precision, seed=spec.seed
+            ).model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.engine = Engine(
+            self.model,
+            groups=[ParamGroup(self.params, hp.effective_learning_rate)],
+            hp=hp,
+            total_steps=self.total_steps,
+            device=self.device,
+            precision=self.precision,
+            data_order=PromptSampler(len(self.train_pairs), seed=spec.seed),
+            seed=spec.seed,  # nothing here samples; the generator makes a restore set every RNG, as the RL loop's
+            dropout=spec.method.lora.dropout > 0,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: cosine_or_constant_lr(
-                s, warmup=hp.warmup_steps, total=self.total_steps, schedule=hp.lr_scheduler
-            ),
-        )
-        self.sampler = PromptSampler(len(self.train_pairs), seed=spec.seed)
-        # Nothing here samples; the generator only makes a checkpoint restore every RNG, as the RL loop's does.
-        self.generator = torch.Generator(self.device).manual_seed(spec.seed)
         if isinstance(hp, DPOHyperparameters):
             self.loss = PAIRWISE_LOSSES.get(f"dpo_{hp.loss_type}")
         else:
@@ -133,30 +110,11 @@ class PreferenceTrainer:
 
     # -- state -------------------------------------------------------------------------------------------------
 
-    def _parts(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "sampler": self.sampler,
-            "generator": self.generator,
-        }
+    def load_state(self, state: dict[str, Any]) -> int:
+        return self.engine.load_state(state)
 
-    def _state(self, step: int) -> dict[str, Any]:
-        return ckpt.training_state(step, **self._parts())
-
-    def _load_state(self, state: dict[str, Any]) -> int:
-        return ckpt.restore_training_state(state, **self._parts())
-
-    def _save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
-        c = ckpt.save_checkpoint(
-            self.out,
-            step=step,
-            model=self.model,
-            state=self._state(step),
-            spec=self.spec.to_json(),
-            metrics=metrics,
-        )
+    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
+        c = self.engine.save_checkpoint(self.out, step=step, spec=self.spec.to_json(), metrics=metrics)
         if self.reward_model:
             # Every checkpoint is a usable reward model; the last one also carries its score statistics.
             self._reward_model_info(final=step == self.total_steps).write(c.adapter_dir)
@@ -173,27 +131,24 @@ class PreferenceTrainer:
             checkpoint_interval=self.hp.checkpoint_interval,
         )
 
-    def _step(self, step: int) -> dict[str, float]:
+    def step(self, step: int) -> dict[str, float]:
         hp = self.hp
         t0 = time.perf_counter()
-        lr = float(self.scheduler.get_last_lr()[0])
-        idx = self.sampler.next(hp.batch_size)
+        lr = self.engine.learning_rate
+        idx = self.engine.data_order.next(hp.batch_size)
         n = len(idx)
         sums = {"loss": 0.0, "acc": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
         tokens = 0
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad()
         for sl in micro_slices(n, hp.micro_batch_size):
             pairs = [self.train_pairs[i] for i in idx[sl]]
             chosen, rejected, r_c, r_r = self._pair_forward(pairs, train=True)
             per_pair = self.loss(chosen, rejected, self._options(pairs))  # [b]
-            loss = per_pair.sum() / n  # this micro-batch's share of the step's mean
-            loss.backward()
+            self.engine.backward(per_pair.sum() / n)  # this micro-batch's share of the step's mean
             _accumulate(sums, per_pair.detach(), r_c, r_r)
             tokens += sum(len(p.prompt_ids) * 2 + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
-        max_norm = hp.max_grad_norm if hp.max_grad_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        self.optimizer.step()
-        self.scheduler.step()
+        grad_norm = self.engine.optim_step()[0]
+        self.engine.lr_step()
         train_s = time.perf_counter() - t0
 
         m = {
@@ -206,8 +161,8 @@ class PreferenceTrainer:
             M.LEARNING_RATE: lr,
             M.TOKENS_PER_S_TRAINING: tokens / max(train_s, 1e-9),
         }
-        if self.val_pairs and ((hp.eval_interval and step % hp.eval_interval == 0) or step == self.total_steps):
-            m |= self._validation_metrics()
+        if self.val_pairs and validation_due(step, interval=hp.eval_interval, total_steps=self.total_steps):
+            m |= self.validation_metrics()
         m[M.STEP_SECONDS] = time.perf_counter() - t0
         self.cb.on_metrics(step, m)
         return m
@@ -261,7 +216,7 @@ class PreferenceTrainer:
     # -- validation and the reward model's statistics ----------------------------------------------------------
 
     @torch.no_grad()
-    def _validation_metrics(self) -> dict[str, float]:
+    def validation_metrics(self) -> dict[str, float]:
         """Loss, accuracy, margin and rewards over the validation pairs (eval mode, the training batch layout)."""
         sums = {"loss": 0.0, "acc": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
         n = len(self.val_pairs)

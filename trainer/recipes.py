@@ -21,21 +21,24 @@ from trainer import names
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    advantage: str  # a name of names.ADVANTAGE_ESTIMATORS, or "gae" for a method with a value model
+    advantage: str  # a name of names.ADVANTAGE_ESTIMATORS ("gae" for a method with a value model)
     policy_loss: str  # a name of names.POLICY_LOSSES
     kl_placement: Literal["loss", "reward"]  # β·KL added to the per-token loss, or −β·Σ_t KL to the reward
     needs_group: bool  # the baseline compares samples of one prompt: G ≥ 2
+    # The parts a row turns on; their knobs are the method's hyperparameters, else the defining paper's defaults
+    # (``trainer.rl.Parts``), so that any row may combine them.
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups and sample more (hyperparameter can turn it off)
     overlong_shaping: bool = False  # DAPO: soft overlong punishment added to the reward
-    critic: bool = False  # PPO: a value model, per-token rewards and GAE (``trainer.core_algos.gae``)
+    critic: bool = False  # PPO: a value model, per-token rewards and GAE (``trainer.core_algos.advantage_gae``)
     paper: str = ""
 
     def __post_init__(self) -> None:
-        if self.critic:
-            assert self.advantage == "gae" and self.kl_placement == "reward", "a critic's advantages are GAE's"
-        else:
-            names.check_name("advantage estimator", self.advantage, names.ADVANTAGE_ESTIMATORS)
+        names.check_name("advantage estimator", self.advantage, names.ADVANTAGE_ESTIMATORS)
         names.check_name("policy loss", self.policy_loss, names.POLICY_LOSSES)
+        if self.critic != (self.advantage == "gae"):
+            raise ValueError(f"recipe {self.name!r}: GAE needs a critic's values, and a critic's advantages are GAE's")
+        if self.critic and self.kl_placement != "reward":
+            raise ValueError(f"recipe {self.name!r}: a critic's KL is a per-token reward (kl_placement 'reward')")
 
 
 RECIPES: dict[str, Recipe] = {

@@ -149,7 +149,7 @@ def build_reward_model(
     torch.manual_seed(seed)  # LoRA A's initialisation, as trainer.models.add_lora
     cfg = LoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # a float is fine: PEFT scales by alpha / r
+        lora_alpha=lora.alpha,  # a float is fine: PEFT scales by alpha / r
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
         task_type="SEQ_CLS",

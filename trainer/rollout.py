@@ -38,12 +38,27 @@ def position_ids(mask: Tensor) -> Tensor:
 
 @dataclass
 class Rollout:
+    """A batch of sequences: prompt, then completion (one reply, or an episode of turns and environment output).
+
+    ``completion_mask`` says which completion positions hold a token (attention); ``policy_mask`` which of those the
+    policy produced (what is trained: losses, KL, advantages). One reply: the two are equal, a prefix of the row. An
+    episode: environment tokens (tool results) are 0 in ``policy_mask``, so it need not be a prefix. ``turn_ids``
+    numbers the segments (policy turns and environment outputs) of each row from 0."""
+
     prompt_ids: Tensor  # [N, P] left-padded
     prompt_mask: Tensor  # [N, P]
     completion_ids: Tensor  # [N, C] right-padded
-    completion_mask: Tensor  # [N, C] 1 up to and including the first EOS
+    completion_mask: Tensor  # [N, C] 1 up to and including the first EOS (an episode: its last token)
     lengths: Tensor  # [N] completion lengths (EOS included)
     truncated: Tensor  # [N] bool: no EOS within max_new_tokens
+    policy_mask: Tensor = None  # type: ignore[assignment]  # [N, C] the policy's tokens; default completion_mask
+    turn_ids: Tensor = None  # type: ignore[assignment]  # [N, C] segment number of each token; default 0
+
+    def __post_init__(self) -> None:
+        if self.policy_mask is None:
+            self.policy_mask = self.completion_mask
+        if self.turn_ids is None:
+            self.turn_ids = torch.zeros_like(self.completion_ids)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -62,6 +77,8 @@ class Rollout:
             self.completion_mask,
             self.lengths,
             self.truncated,
+            self.policy_mask,
+            self.turn_ids,
         )
 
     @staticmethod
@@ -84,6 +101,8 @@ class Rollout:
             torch.cat([pad(r.completion_mask, c, 0, False) for r in parts]),
             torch.cat([r.lengths for r in parts]),
             torch.cat([r.truncated for r in parts]),
+            torch.cat([pad(r.policy_mask, c, 0, False) for r in parts]),
+            torch.cat([pad(r.turn_ids, c, 0, False) for r in parts]),
         )
 
 
@@ -136,6 +155,24 @@ def generate(
     precision: Precision = "fp32",
     with_logprobs: Literal[True],
 ) -> tuple[Rollout, Tensor]: ...
+
+
+@overload
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float,
+    top_p: float = 1.0,
+    min_new_tokens: int = 0,
+    generator: torch.Generator | None = None,
+    precision: Precision = "fp32",
+    with_logprobs: bool,
+) -> Rollout | tuple[Rollout, Tensor]: ...
 
 
 @torch.no_grad()  # not inference_mode: the rollout's tensors must be usable in autograd afterwards

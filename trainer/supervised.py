@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig
 
 from trainer import checkpoint as ckpt
 from trainer import metrics as M
 from trainer.callbacks import Callback
-from trainer.config import JobSpec, SpecError, SupervisedHyperparameters
-from trainer.core_algos import AGGREGATIONS, LossScale, cosine_or_constant_lr, selective_log_softmax
+from trainer.config import JobSpec, SupervisedHyperparameters
+from trainer.core_algos import AGGREGATIONS, LossScale, selective_log_softmax
 from trainer.data import load_supervised
 from trainer.encoding import (
     EncodedExample,
@@ -36,20 +35,10 @@ from trainer.encoding import (
     encode_supervised,
     pack_examples,
 )
-from trainer.models import (
-    ModelError,
-    Precision,
-    add_lora,
-    autocast,
-    default_device,
-    load_base_model,
-    load_tokenizer,
-    resolve_precision,
-    store_frozen_linears_in,
-    trainable_parameters,
-)
+from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
+from trainer.models import Precision, autocast, default_device, load_tokenizer, resolve_precision
 from trainer.rollout import micro_slices, position_ids
-from trainer.train import RunResult, run_steps, seed_everything
+from trainer.steps import RunResult, run_steps, validation_due
 
 LENGTH_GROUP_BATCHES = 16  # group_by_length sorts mega-batches of this many batches by length (HF's default: 50)
 
@@ -111,17 +100,13 @@ class SupervisedTrainer:
             last_turn_only=last_only,
             path=spec.validation_file or "",
         )
-        try:
-            model_cfg = AutoConfig.from_pretrained(spec.model)
-        except (OSError, ValueError) as err:
-            raise ModelError(f"cannot load model {spec.model!r}: {err}") from None
-        max_pos = getattr(model_cfg, "max_position_embeddings", None)
         longest = max(len(e.ids) for e in self.train_examples + self.val_examples)
-        if max_pos is not None and longest > max_pos:
-            raise SpecError(
-                f"the longest conversation ({longest} tokens) exceeds the model's context of {max_pos} tokens",
-                param=f"method.{spec.method.type}.hyperparameters.max_length",
-            )
+        check_context(
+            spec.model,
+            needed=longest,
+            what=f"the longest conversation ({longest} tokens)",
+            param=f"method.{spec.method.type}.hyperparameters.max_length",
+        )
         if hp.eval_samples:
             self.val_examples = self.val_examples[: hp.eval_samples]
         self.total_steps = hp.max_steps or hp.n_epochs * math.ceil(len(self.train_examples) / hp.batch_size)
@@ -129,62 +114,35 @@ class SupervisedTrainer:
         self.device = device or default_device()
         self.precision: Precision = resolve_precision(hp.precision, self.device)
         seed_everything(spec.seed)
-        base = load_base_model(spec.model, self.device)
-        if self.precision == "bf16":
-            store_frozen_linears_in(base, torch.bfloat16)
-        self.model = add_lora(base, spec.method.lora, seed=spec.seed)
-        if self.precision == "bf16" and self.device.type == "cpu":
-            # The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md).
-            self.model.get_base_model().set_attn_implementation("eager")  # type: ignore[operator]
-        self.params = trainable_parameters(self.model)
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=hp.effective_learning_rate,
-            betas=(hp.adam_beta1, hp.adam_beta2),
-            weight_decay=hp.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: cosine_or_constant_lr(
-                s, warmup=hp.warmup_steps, total=self.total_steps, schedule=hp.lr_scheduler
-            ),
-        )
+        self.model = load_policy(
+            spec.model, spec.method.lora, device=self.device, precision=self.precision, seed=spec.seed
+        ).model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         lengths = [len(e.ids) for e in self.train_examples]
-        self.sampler = (
-            LengthGroupedSampler(lengths, seed=spec.seed, group=hp.batch_size * LENGTH_GROUP_BATCHES)
-            if hp.group_by_length and not hp.packing
-            else PromptSampler(len(lengths), seed=spec.seed)
+        self.engine = Engine(
+            self.model,
+            groups=[ParamGroup(self.params, hp.effective_learning_rate)],
+            hp=hp,
+            total_steps=self.total_steps,
+            device=self.device,
+            precision=self.precision,
+            data_order=(
+                LengthGroupedSampler(lengths, seed=spec.seed, group=hp.batch_size * LENGTH_GROUP_BATCHES)
+                if hp.group_by_length and not hp.packing
+                else PromptSampler(len(lengths), seed=spec.seed)
+            ),
+            seed=spec.seed,  # nothing here samples; the generator makes a restore set every RNG, as the RL loop's
+            dropout=spec.method.lora.dropout > 0,
         )
-        # Nothing here samples; the generator only makes a checkpoint restore every RNG, as the RL loop's does.
-        self.generator = torch.Generator(self.device).manual_seed(spec.seed)
         self.aggregate = AGGREGATIONS.get("token_mean")
 
     # -- state -------------------------------------------------------------------------------------------------
 
-    def _parts(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "sampler": self.sampler,
-            "generator": self.generator,
-        }
+    def load_state(self, state: dict[str, Any]) -> int:
+        return self.engine.load_state(state)
 
-    def _state(self, step: int) -> dict[str, Any]:
-        return ckpt.training_state(step, **self._parts())
-
-    def _load_state(self, state: dict[str, Any]) -> int:
-        return ckpt.restore_training_state(state, **self._parts())
-
-    def _save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
-        c = ckpt.save_checkpoint(
-            self.out,
-            step=step,
-            model=self.model,
-            state=self._state(step),
-            spec=self.spec.to_json(),
-            metrics=metrics,
-        )
+    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
+        c = self.engine.save_checkpoint(self.out, step=step, spec=self.spec.to_json(), metrics=metrics)
         self.cb.on_checkpoint(step, c.path, metrics)
         return c
 
@@ -203,28 +161,26 @@ class SupervisedTrainer:
             return [[e] for e in examples]
         return [[examples[i] for i in row] for row in pack_examples([len(e.ids) for e in examples], self.hp.max_length)]
 
-    def _step(self, step: int) -> dict[str, float]:
+    def step(self, step: int) -> dict[str, float]:
         hp = self.hp
         t0 = time.perf_counter()
-        lr = float(self.scheduler.get_last_lr()[0])
-        rows = self._rows([self.train_examples[i] for i in self.sampler.next(hp.batch_size)])
+        lr = self.engine.learning_rate
+        rows = self._rows([self.train_examples[i] for i in self.engine.data_order.next(hp.batch_size)])
         scale = LossScale(float(sum(sum(e.targets) for row in rows for e in row)), len(rows), 0)
         loss_sum = correct = tokens = 0.0
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad()
         self.model.train(self.spec.method.lora.dropout > 0)
         for sl in micro_slices(len(rows), hp.micro_batch_size):
             batch = collate(rows[sl], self.tokenizer.pad_token_id, packed=hp.packing)
             nll, mask, hits = self._token_losses(batch)
             loss = self.aggregate(nll, mask, scale)  # this micro-batch's share of the step's token mean
-            loss.backward()
+            self.engine.backward(loss)
             loss_sum += float(loss.detach())
             correct += float(hits)
             tokens += float(batch.ids.numel())
         self.model.eval()
-        max_norm = hp.max_grad_norm if hp.max_grad_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        self.optimizer.step()
-        self.scheduler.step()
+        grad_norm = self.engine.optim_step()[0]
+        self.engine.lr_step()
         train_s = time.perf_counter() - t0
 
         m = {
@@ -234,8 +190,8 @@ class SupervisedTrainer:
             M.LEARNING_RATE: lr,
             M.TOKENS_PER_S_TRAINING: tokens / max(train_s, 1e-9),
         }
-        if self.val_examples and ((hp.eval_interval and step % hp.eval_interval == 0) or step == self.total_steps):
-            m |= self._validation_metrics()
+        if self.val_examples and validation_due(step, interval=hp.eval_interval, total_steps=self.total_steps):
+            m |= self.validation_metrics()
         m[M.STEP_SECONDS] = time.perf_counter() - t0
         self.cb.on_metrics(step, m)
         return m
@@ -258,7 +214,7 @@ class SupervisedTrainer:
         return nll, mask, hits
 
     @torch.no_grad()
-    def _validation_metrics(self) -> dict[str, float]:
+    def validation_metrics(self) -> dict[str, float]:
         """Token-mean cross-entropy and argmax accuracy over the validation conversations' trained tokens."""
         examples = self.val_examples
         total = float(sum(sum(e.targets) for e in examples))

@@ -167,7 +167,8 @@ def test_critic_fits_per_token_targets_through_its_adapter_and_head(
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
     assert t.critic is not None
-    batch = t._collect()
+    batch = t.collect()
+    t.score(batch)
     ro = batch.rollout
     mask = ro.completion_mask.float()
     # A target V_t can be read from what position t sees: the parity of the previous completion token (0.5 first)
@@ -220,10 +221,12 @@ def test_trunk_value_loss_backpropagates_into_the_policy_lora(
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
     assert t.critic is not None
     torch.nn.init.normal_(t.critic.head.weight)
-    batch = t._collect()
+    batch = t.collect()
+    t.score(batch)
     ro = batch.rollout
     assert batch.values is not None and batch.values.abs().sum() > 0  # V_old from the policy's no-grad pass
-    assert torch.equal(batch.rewards, batch.grader_rewards)  # PPO's KL goes into the per-token rewards, not here
+    # PPO's KL goes into the per-token rewards, not into the sequence's
+    assert torch.equal(batch.samples.rewards, batch.samples.grader_rewards)
     _, _, hidden = completion_logprobs(t.model, ro, temperature=1.0, precision="fp32", with_hidden=True)
     v = t.critic.head_values(hidden)
     assert v.shape == ro.completion_ids.shape

@@ -19,6 +19,7 @@ from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
 from trainer.checkpoint import list_checkpoints
 from trainer.config import SpecError, parse_spec
 from trainer.data import DatasetError
+from trainer.generation import HFRolloutEngine
 from trainer.rl import RLTrainer
 from trainer.train import train
 
@@ -294,17 +295,20 @@ def test_bf16_run_samples_from_the_merged_copy_and_trains(
 ) -> None:
     spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=2, precision="bf16"))
     t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
-    assert t.precision == "bf16" and t.merged is not None
+    engine = t.rollout_engine
+    assert isinstance(engine, HFRolloutEngine) and engine.merged is not None
+    assert t.precision == "bf16" and not engine.exact_logprobs  # bf16 rounding: the loop recomputes old log-probs
     res = t.run()
     last = read_metrics(tmp_path)[-1]
     assert all(v == v for v in last.values())  # no NaN
     assert last[M.GRAD_NORM] > 0 and res.adapter_dir is not None
-    # The sampler holds exactly the current policy's merged weights after a sync.
-    sampler = t.merged.sync()
-    for target, lora in t.merged.pairs:
+    # The sampler holds exactly the current policy's merged weights after a push and a sync.
+    engine.push_weights(t.model, t.engine.weights_version)
+    sampler, _ = engine.sampling_model()
+    for target, lora in engine.merged.pairs:
         expected = (lora.base_layer.weight + lora.get_delta_weight("default")).to(torch.bfloat16)
         assert torch.equal(target.weight, expected)
-    assert sampler is t.merged.model
+    assert sampler is engine.merged.model
 
 
 @pytest.mark.parametrize("method,hp", [("rloo", {"beta": 0.1}), ("grpo", {"iterations_per_batch": 2})])
@@ -315,21 +319,24 @@ def test_fp32_policy_sampling_itself_gives_the_old_logprobs_without_a_policy_pas
     the ratio's denominator over GRPO's second pass): no no-grad policy pass runs, and they equal that pass's."""
     spec = parse_spec(make_spec(random_model_dir, arithmetic_data, method=method, max_steps=1, **hp))
     t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
-    assert t.merged is None and t._sampling_logprobs_exact
-    batch = t._collect()
+    engine = t.rollout_engine
+    assert isinstance(engine, HFRolloutEngine) and engine.merged is None and engine.exact_logprobs
+    batch = t.collect()
+    t.score(batch)
     assert batch.old_logp is not None
     t2 = RLTrainer(spec, output_dir=tmp_path / "b", callback=JsonlFiles(tmp_path / "b"))
     passes: list[bool] = []
-    real = t2._logprobs
+    real = t2.engine.logprobs
 
-    def counting(ro: Any, *, reference: bool) -> torch.Tensor:
+    def counting(ro: Any, *, temperature: float, micro_batch_size: int | None, reference: bool = False) -> Any:
         passes.append(reference)
-        return real(ro, reference=reference)
+        return real(ro, temperature=temperature, micro_batch_size=micro_batch_size, reference=reference)
 
-    monkeypatch.setattr(t2, "_logprobs", counting)
-    b2 = t2._collect()
+    monkeypatch.setattr(t2.engine, "logprobs", counting)
+    b2 = t2.collect()
+    t2.score(b2)
     assert False not in passes  # only the reference's pass (RLOO's KL) runs, no policy pass
-    full = t._logprobs(batch.rollout, reference=False)
+    full = t.engine.logprobs(batch.rollout, temperature=1.0, micro_batch_size=None)
     m = batch.rollout.completion_mask.bool()
     torch.testing.assert_close(batch.old_logp[m], full[m], rtol=0, atol=1e-5)
     assert torch.equal(b2.old_logp, batch.old_logp)  # seeded: the same rollout again

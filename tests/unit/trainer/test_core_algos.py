@@ -12,6 +12,7 @@ from trainer.core_algos import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    AdvantageInputs,
     AdvantageOptions,
     ClipOptions,
     LossScale,
@@ -43,7 +44,7 @@ def lengths_mask(lengths: list[int], width: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("registry", "expected"),
     [
-        (ADVANTAGE_ESTIMATORS, ["dr_grpo", "grpo", "reinforce", "rloo"]),
+        (ADVANTAGE_ESTIMATORS, ["dr_grpo", "gae", "grpo", "reinforce", "rloo"]),
         (POLICY_LOSSES, ["clipped", "sequence_clipped"]),
         (KL_ESTIMATORS, ["k1", "k2", "k3"]),
         (AGGREGATIONS, AGG_NAMES),
@@ -215,7 +216,9 @@ def test_k1_and_k3_monte_carlo_means_converge_to_analytic_kl() -> None:
 
 
 def adv(name: str, rewards: torch.Tensor, **opts: object) -> torch.Tensor:
-    return ADVANTAGE_ESTIMATORS.get(name)(rewards, AdvantageOptions(**opts))  # type: ignore[arg-type]
+    """The registry's estimator on rewards [P, G] (one completion token per row), back as [P, G]."""
+    x = AdvantageInputs(rewards.reshape(-1), rewards.shape[1], mask=torch.ones(rewards.numel(), 1))
+    return ADVANTAGE_ESTIMATORS.get(name)(x, AdvantageOptions(**opts)).advantages.view_as(rewards)  # type: ignore[arg-type]
 
 
 def test_grpo_hand_values_with_unbiased_std_and_eps() -> None:

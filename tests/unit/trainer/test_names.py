@@ -62,7 +62,8 @@ def test_config_accepts_every_declared_name_and_refuses_another() -> None:
 
 
 def test_a_recipe_naming_an_undeclared_part_is_refused_listing_the_valid_names() -> None:
-    with pytest.raises(KeyError, match=r"unknown advantage estimator 'gspo'; valid: dr_grpo, grpo, reinforce, rloo"):
+    valid = "dr_grpo, gae, grpo, reinforce, rloo"
+    with pytest.raises(KeyError, match=rf"unknown advantage estimator 'gspo'; valid: {valid}"):
         Recipe("x", "gspo", "clipped", "loss", needs_group=True)
     with pytest.raises(KeyError, match=r"unknown policy loss 'cispo'; valid: clipped, sequence_clipped"):
         Recipe("x", "grpo", "cispo", "loss", needs_group=True)

@@ -7,9 +7,13 @@ import pytest
 import torch
 
 from trainer.core_algos import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    AdvantageOptions,
     adaptive_kl_update,
     explained_variance,
     gae,
+    last_true,
     masked_mean,
     masked_whiten,
     ppo_token_rewards,
@@ -78,6 +82,43 @@ def test_token_rewards_put_the_kl_penalty_on_completion_tokens_and_the_score_on_
     assert r.tolist()[1] == pytest.approx([-0.25, -0.3, -0.35, -0.4 - 2.0])
     # Σ_t r_t = score − β·Σ_t KL_t (rl-algorithms §5.18)
     assert r.sum(-1).tolist() == pytest.approx([1.0 - 0.5 * 0.6, -2.0 - 0.5 * 2.6])
+
+
+def test_token_rewards_put_the_score_on_the_last_policy_token_of_an_episode() -> None:
+    """An episode's policy mask is not a prefix: environment tokens (0) sit between and after the policy's turns.
+    The score goes on the last policy token (index 3), not on the sequence's last token (index 5)."""
+    kl = torch.ones(1, 6)
+    mask = torch.tensor([[1, 0, 1, 1, 0, 0]], dtype=torch.float32)
+    r = ppo_token_rewards(torch.tensor([2.0]), kl, mask, beta=0.5)
+    assert r.tolist()[0] == pytest.approx([-0.5, 0.0, -0.5, -0.5 + 2.0, 0.0, 0.0])
+    assert last_true(torch.tensor([[1, 0, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])).tolist() == [3, 1, 0]
+
+
+def test_gae_skips_environment_tokens_of_an_episode() -> None:
+    """Masked GAE over [policy, env, policy]: the environment token gets no advantage, and the policy tokens'
+    advantages equal GAE over the policy tokens alone (the env position carries V_{t+1} and A_{t+1} through)."""
+    gamma, lam = 0.9, 0.8
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.2, 5.0, 0.4]])  # the env position's value must not matter
+    adv, ret = gae(rewards, values, torch.tensor([[1.0, 0.0, 1.0]]), gamma=gamma, lam=lam)
+    dense, _ = gae(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.2, 0.4]]), torch.ones(1, 2), gamma=gamma, lam=lam)
+    assert adv[0, 1] == 0 and ret[0, 1] == 0
+    assert [adv[0, 0].item(), adv[0, 2].item()] == pytest.approx(dense[0].tolist())
+
+
+def test_the_gae_estimator_is_chosen_from_the_registry_and_whitens_over_policy_tokens() -> None:
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, -1.0, 0.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.0, 0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    x = AdvantageInputs(rewards=torch.zeros(2), group_size=1, mask=mask, token_rewards=rewards, values=values)
+    raw = ADVANTAGE_ESTIMATORS.get("gae")(x, AdvantageOptions(gamma=1.0, lam=0.95, whiten=False))
+    expected, returns = gae(rewards, values, mask.float(), gamma=1.0, lam=0.95)
+    assert torch.equal(raw.advantages, expected) and raw.returns is not None and torch.equal(raw.returns, returns)
+    white = ADVANTAGE_ESTIMATORS.get("gae")(x, AdvantageOptions(gamma=1.0, lam=0.95, whiten=True)).advantages
+    kept = white[mask.bool()]
+    assert float(kept.mean()) == pytest.approx(0.0, abs=1e-6) and white[1, 2] == 0
+    with pytest.raises(ValueError, match="GAE needs"):
+        ADVANTAGE_ESTIMATORS.get("gae")(AdvantageInputs(torch.zeros(2), 1, mask), AdvantageOptions())
 
 
 def test_token_rewards_give_an_empty_completion_nothing() -> None:

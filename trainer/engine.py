@@ -1,0 +1,272 @@
+"""The training engine the three loops share: one training state and the step's parts, each callable alone.
+
+A loop (``trainer.rl``, ``trainer.preference``, ``trainer.supervised``) builds its model with the set-up helpers
+here (:func:`check_context`, :func:`load_policy`), then holds an :class:`Engine`: the trainable model, the optimiser
+and its schedule, the data order, the sampling RNG and any extra state (PPO's critic and KL coefficient). The
+engine's parts are the low-level training API a loop (or a user's own loop, through a Tinker-style server) calls:
+
+- :meth:`Engine.forward` — log-probs (and entropy, hidden states) of a batch under the policy, with the graph;
+- :meth:`Engine.logprobs` — the same without the graph, micro-batch by micro-batch, under the policy or the reference;
+- :meth:`Engine.backward` — backpropagate a loss (gradients accumulate until the next step);
+- :meth:`Engine.zero_grad` / :meth:`Engine.optim_step` — clear the gradients; clip each parameter group's
+  gradient and take one optimiser step;
+- :meth:`Engine.lr_step` — advance the learning-rate schedule (once per training step);
+- :meth:`Engine.state` / :meth:`Engine.load_state` / :meth:`Engine.save_checkpoint` — exact save and restore.
+
+Sampling is the rollout engine's (``trainer.generation``): it reads :attr:`Engine.weights_version` to know when the
+policy's weights changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from peft import PeftModel
+from transformers import AutoConfig, PreTrainedModel
+
+from trainer import checkpoint as ckpt
+from trainer.config import Hyperparameters, LoraSpec, SpecError
+from trainer.core_algos import cosine_or_constant_lr
+from trainer.models import (
+    ModelError,
+    Precision,
+    add_lora,
+    load_base_model,
+    reference_policy,
+    store_frozen_linears_in,
+    trim_freed_memory,
+)
+from trainer.rollout import Rollout, completion_logprobs, micro_slices
+
+# -- set-up ----------------------------------------------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_context(model: str, *, needed: int, what: str, param: str) -> None:
+    """Refuse, before any weight is loaded, an input longer than the model's context (``max_position_embeddings``).
+
+    ``what`` describes the ``needed`` tokens ("the longest pair (40 tokens)"); ``param`` is the spec field to name."""
+    try:
+        model_cfg = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot load model {model!r}: {err}") from None
+    max_pos = getattr(model_cfg, "max_position_embeddings", None)
+    if max_pos is not None and needed > max_pos:
+        raise SpecError(f"{what} exceeds the model's context of {max_pos} tokens", param=param)
+
+
+@dataclass
+class Policy:
+    """A base model with a fresh LoRA adapter, and (when asked) an untouched fp32 copy of the base for a sampler."""
+
+    model: PeftModel
+    base_copy: PreTrainedModel | None
+
+
+def load_policy(
+    model: str, lora: LoraSpec, *, device: torch.device, precision: Precision, seed: int, sampler_copy: bool = False
+) -> Policy:
+    """Base + LoRA in the engine's precision: in bf16 the frozen linear weights are stored in bf16 (bit-identical
+    matmuls under autocast, half the memory), and on a CPU attention is eager (its bf16 SDPA backward is slower)."""
+    base = load_base_model(model, device)
+    base_copy = copy.deepcopy(base) if sampler_copy else None
+    if precision == "bf16":
+        store_frozen_linears_in(base, torch.bfloat16)
+    policy = add_lora(base, lora, seed=seed)
+    eager_attention_for_bf16_cpu(policy, precision=precision, device=device)
+    return Policy(policy, base_copy)
+
+
+def eager_attention_for_bf16_cpu(model: torch.nn.Module, *, precision: Precision, device: torch.device) -> None:
+    """The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md); decoding keeps SDPA."""
+    if precision == "bf16" and device.type == "cpu":
+        base: Any = model.get_base_model() if isinstance(model, PeftModel) else model
+        base.set_attn_implementation("eager")
+
+
+# -- the engine ------------------------------------------------------------------------------------------------------
+
+
+class Stateful(Protocol):
+    """Extra trainer state saved with every checkpoint (PPO's critic, the KL controller)."""
+
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class DataOrder(Protocol):
+    """The data position (``trainer.encoding.PromptSampler`` and its kin)."""
+
+    def next(self, k: int) -> list[int]: ...
+    def state_dict(self) -> dict[str, int]: ...
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters optimised together at one learning rate and clipped by their own gradient norm."""
+
+    params: list[torch.nn.Parameter]
+    learning_rate: float
+
+
+class Engine:
+    """One training state: model, optimiser (AdamW, one group per :class:`ParamGroup`), learning-rate schedule, data
+    order, sampling RNG and extra state; and the step's parts, each callable on its own."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        groups: list[ParamGroup],
+        hp: Hyperparameters,
+        total_steps: int,
+        device: torch.device,
+        precision: Precision,
+        data_order: DataOrder,
+        seed: int,
+        dropout: bool,
+        trim_memory: bool = False,
+    ) -> None:
+        self.model, self.device, self.precision = model, device, precision
+        self.groups, self.data_order, self.dropout = groups, data_order, dropout
+        self.trim_memory = trim_memory  # malloc_trim after each backward (the RL loop's many differently sized graphs)
+        self.max_grad_norm = hp.max_grad_norm if hp.max_grad_norm is not None else float("inf")
+        self.optimizer = torch.optim.AdamW(
+            [{"params": g.params, "lr": g.learning_rate} for g in groups],
+            lr=groups[0].learning_rate,
+            betas=(hp.adam_beta1, hp.adam_beta2),
+            weight_decay=hp.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: cosine_or_constant_lr(s, warmup=hp.warmup_steps, total=total_steps, schedule=hp.lr_scheduler),
+        )
+        self.generator = torch.Generator(device).manual_seed(seed)  # the sampler's RNG, saved with every checkpoint
+        self.extra: dict[str, Stateful] = {}
+        self.weights_version = 0  # +1 at every change of the trainable weights (optimiser step, restore)
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    # -- the step's parts ------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        batch: Rollout,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        with_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Log-probs [B, C] of the batch's completion tokens under the policy, with the graph (train mode when LoRA
+        has dropout); entropy [B, C] (no graph) and the last hidden states [B, C, H] when asked."""
+        self.model.train(self.dropout)
+        try:
+            if with_hidden:
+                logp, ent, hidden = completion_logprobs(
+                    self.model,
+                    batch,
+                    temperature=temperature,
+                    precision=self.precision,
+                    with_entropy=with_entropy,
+                    with_hidden=True,
+                )
+                return logp, ent, hidden
+            logp, ent = completion_logprobs(
+                self.model, batch, temperature=temperature, precision=self.precision, with_entropy=with_entropy
+            )
+            return logp, ent, None
+        finally:
+            self.model.eval()
+
+    @torch.no_grad()
+    def logprobs(
+        self, batch: Rollout, *, temperature: float, micro_batch_size: int | None, reference: bool = False
+    ) -> torch.Tensor:
+        """Log-probs [N, C] of the whole batch under the policy (or the reference: the adapter disabled), no graph,
+        micro-batch by micro-batch."""
+        out = []
+        for sl in micro_slices(len(batch), micro_batch_size):
+            part = batch.select(torch.arange(sl.start, sl.stop))
+            if reference:
+                with reference_policy(self.model):
+                    lp, _ = completion_logprobs(self.model, part, temperature=temperature, precision=self.precision)
+            else:
+                lp, _ = completion_logprobs(self.model, part, temperature=temperature, precision=self.precision)
+            out.append(lp)
+        return cat_padded(out, batch.completion_ids.shape[1])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss``; gradients add up until :meth:`zero_grad`."""
+        loss.backward()
+        if self.trim_memory:
+            trim_freed_memory(self.device)
+
+    def zero_grad(self) -> None:
+        """Clear the accumulated gradients (before a step's first :meth:`backward`)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optim_step(self) -> list[float]:
+        """Clip each group's gradient to ``max_grad_norm`` (their scales differ: the critic's is its own), one AdamW
+        step. Returns each group's gradient norm before clipping. The gradients stay until :meth:`zero_grad`."""
+        norms = [float(torch.nn.utils.clip_grad_norm_(g.params, self.max_grad_norm)) for g in self.groups]
+        self.optimizer.step()
+        self.weights_version += 1
+        return norms
+
+    def lr_step(self) -> None:
+        self.scheduler.step()
+
+    # -- state -----------------------------------------------------------------------------------------------------
+
+    def state(self, step: int) -> dict[str, Any]:
+        """Everything needed to resume exactly: trainable weights, optimiser, schedule, data position, RNG, extras."""
+        state = ckpt.training_state(
+            step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.data_order,
+            generator=self.generator,
+        )
+        return state | {name: part.state_dict() for name, part in self.extra.items()}
+
+    def load_state(self, state: dict[str, Any]) -> int:
+        step = ckpt.restore_training_state(
+            state,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.data_order,
+            generator=self.generator,
+        )
+        for name, part in self.extra.items():
+            part.load_state_dict(state[name])
+        self.weights_version += 1
+        return step
+
+    def save_checkpoint(
+        self, out: Path, *, step: int, spec: dict[str, Any], metrics: dict[str, float]
+    ) -> ckpt.Checkpoint:
+        assert isinstance(self.model, PeftModel)
+        return ckpt.save_checkpoint(
+            out, step=step, model=self.model, state=self.state(step), spec=spec, metrics=metrics
+        )
+
+
+def cat_padded(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Micro-batch results [b_i, c_i] right-padded with 0 to ``width`` and stacked: [Σ b_i, width]."""
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts])

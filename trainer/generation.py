@@ -1,0 +1,128 @@
+"""The rollout-engine seam: what the RL loop asks of generation, and the Hugging Face engine that answers it.
+
+The loop hands an engine tokenised prompts and sampling parameters and gets back a :class:`Generation`: a
+:class:`~trainer.rollout.Rollout` (token ids; which tokens the policy produced, ``policy_mask``, which need not be a
+prefix once an episode interleaves tool output; the turn of every token, ``turn_ids``), the per-token sampling
+log-probs, and the time it took. Before each generation the loop pushes the policy's weights
+(:meth:`RolloutEngine.push_weights`); an engine whose log-probs are exactly the trainer's (:attr:`exact_logprobs`) lets
+the loop use them as the behaviour policy's instead of recomputing them. Another engine (vLLM on a GPU, a multi-turn
+episode runner) is another implementation of :class:`RolloutEngine`; the loop does not change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from peft import PeftModel
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from trainer.models import MergedSampler, Precision
+from trainer.rollout import Rollout, generate, left_pad
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    min_new_tokens: int = 0  # EOS held off before this many tokens
+
+
+@dataclass
+class Generation:
+    """One completion (or episode) per prompt, rows in the prompts' order."""
+
+    rollout: Rollout  # on the engine's device
+    logprobs: Tensor | None  # [N, C] log π_sampler of each policy token (T-scaled), 0 elsewhere; None: not given
+    seconds: float  # wall-clock time of the generation
+
+
+class RolloutEngine(Protocol):
+    """Generation as the RL loop uses it."""
+
+    @property
+    def exact_logprobs(self) -> bool:
+        """Whether :attr:`Generation.logprobs` are the trainer's own log-probs of the same weights (up to float
+        rounding): then they serve as the behaviour policy's and the loop skips its no-grad policy pass."""
+        ...
+
+    def push_weights(self, policy: torch.nn.Module, version: int) -> None:
+        """The policy's weights as of ``version`` (``Engine.weights_version``); a no-op when already current."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, generator: torch.Generator | None
+    ) -> Generation:
+        """Sample one completion per prompt (token ids, unpadded)."""
+        ...
+
+
+class HFRolloutEngine:
+    """Hugging Face generation with a KV cache (``trainer.rollout.generate``), in the trainer's process.
+
+    In bf16 it samples from a merged bf16 copy of the base (``trainer.models.MergedSampler``: W + ΔW, refreshed when
+    the weights changed), about half the generation time; its log-probs then differ from the trainer's by bf16
+    rounding and are not exact. In fp32 the policy samples itself and its log-probs are the trainer's."""
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        *,
+        eos_id: int,
+        pad_id: int,
+        device: torch.device,
+        precision: Precision,
+        base_copy: PreTrainedModel | None = None,
+    ) -> None:
+        self.policy, self.eos_id, self.pad_id = policy, eos_id, pad_id
+        self.device, self.precision = device, precision
+        self.merged = (
+            MergedSampler(base_copy, policy, torch.bfloat16)
+            if base_copy is not None and isinstance(policy, PeftModel) and MergedSampler.supported(policy)
+            else None
+        )
+        self._version = -1
+
+    @property
+    def exact_logprobs(self) -> bool:
+        return self.merged is None and self.precision == "fp32"
+
+    def push_weights(self, policy: torch.nn.Module, version: int) -> None:
+        if version != self._version:
+            if self.merged is not None:
+                self.merged.stale = True
+            self._version = version
+
+    def sampling_model(self) -> tuple[torch.nn.Module, Precision]:
+        """The model to sample from and the autocast to run it under (the merged copy is already bf16)."""
+        if self.merged is not None:
+            return self.merged.sync(), "fp32"
+        return self.policy, self.precision
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, generator: torch.Generator | None
+    ) -> Generation:
+        ids, mask = left_pad(prompts, self.pad_id)
+        t0 = time.perf_counter()
+        model, precision = self.sampling_model()
+        out = generate(
+            model,
+            ids.to(self.device),
+            mask.to(self.device),
+            max_new_tokens=params.max_new_tokens,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            min_new_tokens=params.min_new_tokens,
+            generator=generator,
+            precision=precision,
+            with_logprobs=self.exact_logprobs,
+        )
+        rollout, logp = out if isinstance(out, tuple) else (out, None)
+        return Generation(rollout, logp, time.perf_counter() - t0)
