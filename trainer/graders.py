@@ -8,7 +8,7 @@ Strings render verbatim; any other value renders as compact JSON (`3`, `true`, `
 OpenAI's types: `string_check`, `text_similarity` (only `fuzzy_match`), `multi`. Ours: `numeric_match`,
 `regex`, `length_penalty`, and `reward_model` (the score of a reward model trained by a `reward_model` job). Every
 score is a float. Problems found at grading time (a missing item field, a division by zero in a formula) never
-raise: they are listed in `GradeResult.errors`.
+raise: they are listed in `GradeResult.errors`, each a `GradeError` that says its kind.
 
 A `reward_model` grader needs a model, so this module does not score it: `trainer.evaluate.grade_batch` scores
 every reward-model leaf of a batch in batched forward passes (`trainer.reward_model`) and hands the scores to
@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Annotated, Any, Literal, assert_never
+from typing import Annotated, Any, Literal, Self, assert_never
 
 from pydantic import (
     AfterValidator,
@@ -60,16 +60,41 @@ MAX_REGEX_INPUT_CHARS = 10_000
 
 
 class GraderError(ValueError):
-    """An invalid grader object; the message names the offending field: `grader.graders.acc.operation: …`."""
+    """An invalid grader object; the message names the offending field: `grader.graders.acc.operation: …`, and
+    `param` is that field's path (the first one's, when there are several; `grader` when no field is to blame)."""
+
+    def __init__(self, message: str, *, param: str = "grader") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+GradeErrorKind = Literal["invalid_variable", "formula", "other"]
+"""What went wrong while grading (OpenAI's grader-run error flags): a template named an item field the row lacks, a
+multi grader's `calculate_output` failed, or anything else."""
+
+
+class GradeError(str):
+    """A problem met while grading one sample: its message (it is a `str`, so it reads and compares as one) and its
+    `kind`, so that callers tell problems apart by what they are, not by their wording."""
+
+    kind: GradeErrorKind
+
+    def __new__(cls, message: str, kind: GradeErrorKind) -> Self:
+        error = super().__new__(cls, message)
+        error.kind = kind
+        return error
+
+    def __getnewargs__(self) -> tuple[str, GradeErrorKind]:  # type: ignore[override]
+        return str(self), self.kind  # pickling (a result sent to another process) keeps the kind
 
 
 @dataclass(frozen=True)
 class GradeResult:
-    """The reward of one sample: `score`, per-grader `sub_scores` and the error flags raised while grading."""
+    """The reward of one sample: `score`, per-grader `sub_scores` and the problems met while grading."""
 
     score: float
     sub_scores: dict[str, float]
-    errors: tuple[str, ...]
+    errors: tuple[GradeError, ...]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -157,7 +182,7 @@ def _missing_field_message(grader_name: str, ref: _Ref) -> str:
 class _Context:
     output_text: str
     item: Mapping[str, Any]
-    errors: list[str]
+    errors: list[GradeError]
     model_scores: Mapping[str, float]
 
 
@@ -172,7 +197,9 @@ def _render(template: str, grader_name: str, ctx: _Context) -> str:
         else:
             found, value = _lookup(ctx.item, part.path)
             if not found:
-                ctx.errors.append(_missing_field_message(grader_name, part) + "; rendered as ''")
+                ctx.errors.append(
+                    GradeError(_missing_field_message(grader_name, part) + "; rendered as ''", "invalid_variable")
+                )
                 out.append("")
             elif isinstance(value, str):
                 out.append(value)
@@ -634,7 +661,10 @@ def parse_grader(obj: dict[str, Any]) -> Grader:
     try:
         return _GRADER_ADAPTER.validate_python(obj)
     except ValidationError as exc:
-        raise GraderError("; ".join(_format_error(error) for error in exc.errors())) from exc
+        problems = [_format_error(error) for error in exc.errors()]
+        raise GraderError(
+            "; ".join(f"{field}: {problem}" for field, problem in problems), param=problems[0][0]
+        ) from exc
 
 
 def _error_path(loc: tuple[int | str, ...]) -> str:
@@ -659,23 +689,24 @@ def _error_path(loc: tuple[int | str, ...]) -> str:
     return ".".join(parts)
 
 
-def _format_error(error: ErrorDetails) -> str:
+def _format_error(error: ErrorDetails) -> tuple[str, str]:
+    """(the offending field's path, the problem) of one of pydantic's errors."""
     path = _error_path(error["loc"])
     ctx = error.get("ctx", {})
     valid = ", ".join(GRADER_TYPES)
     match error["type"]:
         case "union_tag_invalid":
-            return f"{path}.type: unknown grader type {ctx.get('tag')!r}; valid types: {valid}"
+            return f"{path}.type", f"unknown grader type {ctx.get('tag')!r}; valid types: {valid}"
         case "union_tag_not_found":
-            return f"{path}.type: field required; valid types: {valid}"
+            return f"{path}.type", f"field required; valid types: {valid}"
         case "extra_forbidden":
-            return f"{path}: unknown field {path.rsplit('.', 1)[-1]!r} is not permitted"
+            return path, f"unknown field {path.rsplit('.', 1)[-1]!r} is not permitted"
         case "missing":
-            return f"{path}: field required"
+            return path, "field required"
         case "value_error":
-            return f"{path}: {ctx.get('error', error['msg'])}"
+            return path, str(ctx.get("error", error["msg"]))
         case _:
-            return f"{path}: {error['msg']}"
+            return path, error["msg"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -717,7 +748,10 @@ def _grade_multi(grader: MultiGrader, ctx: _Context, prefix: str = "") -> tuple[
         score = _evaluate(_compile_formula(grader.calculate_output), values)
     except (ArithmeticError, ValueError) as exc:
         ctx.errors.append(
-            f"grader {grader.name!r}: calculate_output {grader.calculate_output!r} failed ({exc}); scored 0.0"
+            GradeError(
+                f"grader {grader.name!r}: calculate_output {grader.calculate_output!r} failed ({exc}); scored 0.0",
+                "formula",
+            )
         )
         score = 0.0
     return score, sub_scores
@@ -738,7 +772,9 @@ def _score_leaf(grader: _LeafGrader, ctx: _Context, path: str) -> float:
             reference = parse_last_number(reference_text)
             if reference is None:
                 ctx.errors.append(
-                    f"grader {grader.name!r}: no number in the rendered reference {reference_text[:80]!r}"
+                    GradeError(
+                        f"grader {grader.name!r}: no number in the rendered reference {reference_text[:80]!r}", "other"
+                    )
                 )
                 return 0.0
             if value is None:

@@ -14,10 +14,7 @@ def _parse(obj: dict[str, Any]) -> graders.Grader:
     try:
         return graders.parse_grader(obj)
     except graders.GraderError as err:
-        # The message starts with the path of the offending field (``grader.graders.acc.operation: ...``).
-        path = str(err).split(":", 1)[0]
-        param = path if path.startswith("grader") and " " not in path else "grader"
-        raise InvalidRequest(str(err), param=param, code="invalid_grader") from None
+        raise InvalidRequest(str(err), param=err.param, code="invalid_grader") from None
 
 
 def validate(*, grader: dict[str, Any]) -> dict[str, Any]:
@@ -25,16 +22,14 @@ def validate(*, grader: dict[str, Any]) -> dict[str, Any]:
     return _parse(grader).model_dump(mode="json", exclude_none=True)
 
 
-def _flags(messages: tuple[str, ...]) -> GraderRunErrors:
-    flags = GraderRunErrors()
-    for message in messages:
-        if " references {{item." in message:
-            flags.invalid_variable_error = True
-        elif "calculate_output" in message:
-            flags.formula_parse_error = True
-        else:
-            flags.other_error = True
-    return flags
+def _flags(errors: tuple[graders.GradeError, ...]) -> GraderRunErrors:
+    """OpenAI's error flags of a grader run, from the kinds of the problems met while grading."""
+    kinds = {error.kind for error in errors}
+    return GraderRunErrors(
+        invalid_variable_error="invalid_variable" in kinds,
+        formula_parse_error="formula" in kinds,
+        other_error="other" in kinds,
+    )
 
 
 def run(*, grader: dict[str, Any], model_sample: str, item: dict[str, Any] | None) -> GraderRunResponse:

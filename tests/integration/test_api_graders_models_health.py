@@ -65,6 +65,44 @@ class TestGraderRun:
         assert body["reward"] == 0.0 and body["metadata"]["errors"]["invalid_variable_error"] is True
         assert "answer" in body["metadata"]["error_messages"][0]
 
+    @pytest.mark.parametrize(
+        ("grader", "item", "flag"),
+        [
+            (GRADER, {}, "invalid_variable_error"),
+            ({**MULTI, "calculate_output": "exact / digits"}, {"answer": "4"}, "formula_parse_error"),
+            (
+                {"type": "numeric_match", "name": "num", "input": "{{sample.output_text}}", "reference": "three"},
+                {},
+                "other_error",
+            ),
+        ],
+    )
+    def test_each_kind_of_grading_problem_raises_its_own_flag_only(
+        self, api: httpx.Client, grader: dict[str, Any], item: dict[str, Any], flag: str
+    ) -> None:
+        body = api.post(
+            "/v1/fine_tuning/alpha/graders/run", json={"grader": grader, "model_sample": "x", "item": item}
+        ).json()
+        raised = {name for name, value in body["metadata"]["errors"].items() if value}
+        assert raised == {flag} and len(body["metadata"]["error_messages"]) == 1
+
+    def test_a_flag_follows_the_problems_kind_not_its_wording(self, api: httpx.Client) -> None:
+        # A formula failure whose message, through the grader's name, reads like a missing item field.
+        grader = {**MULTI, "name": "a references {{item.b", "calculate_output": "exact / 0"}
+        body = api.post(
+            "/v1/fine_tuning/alpha/graders/run", json={"grader": grader, "model_sample": "4", "item": {"answer": "4"}}
+        ).json()
+        assert body["metadata"]["error_messages"] == [
+            "grader 'a references {{item.b': calculate_output 'exact / 0' failed (float division by zero); scored 0.0"
+        ]
+        raised = {name for name, value in body["metadata"]["errors"].items() if value}
+        assert raised == {"formula_parse_error"}
+
+    def test_the_400_names_the_first_bad_field_of_a_nested_grader(self, api: httpx.Client) -> None:
+        bad = {**MULTI, "graders": {"exact": {**GRADER, "operation": "equals"}, "digits": {"type": "regex"}}}
+        r = api.post("/v1/fine_tuning/alpha/graders/validate", json={"grader": bad})
+        assert_error(r, 400, param="grader.graders.exact.operation", code="invalid_grader")
+
     def test_invalid_grader_is_a_400_naming_the_field(self, api: httpx.Client) -> None:
         r = api.post(
             "/v1/fine_tuning/alpha/graders/run", json={"grader": {**GRADER, "operation": "equals"}, "model_sample": "4"}
