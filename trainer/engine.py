@@ -8,6 +8,7 @@ engine's parts are the low-level training API a loop (or a user's own loop, thro
 - :meth:`Engine.forward` — log-probs (and entropy, hidden states) of a batch under the policy, with the graph;
 - :meth:`Engine.logprobs` — the same without the graph, micro-batch by micro-batch, under the policy or the reference;
 - :meth:`Engine.backward` — backpropagate a loss (gradients accumulate until the next step);
+- :meth:`Engine.forward_backward` — the two with a policy loss and an aggregation from the registries;
 - :meth:`Engine.zero_grad` / :meth:`Engine.optim_step` — clear the gradients; clip each parameter group's
   gradient and take one optimiser step;
 - :meth:`Engine.lr_step` — advance the learning-rate schedule (once per training step);
@@ -32,7 +33,7 @@ from transformers import AutoConfig, PreTrainedModel
 
 from trainer import checkpoint as ckpt
 from trainer.config import Hyperparameters, LoraSpec, SpecError
-from trainer.core_algos import cosine_or_constant_lr
+from trainer.core_algos import AGGREGATIONS, POLICY_LOSSES, ClipOptions, LossScale, cosine_or_constant_lr
 from trainer.models import (
     ModelError,
     Precision,
@@ -119,6 +120,15 @@ class ParamGroup:
 
     params: list[torch.nn.Parameter]
     learning_rate: float
+
+
+@dataclass(frozen=True)
+class ForwardBackward:
+    """What :meth:`Engine.forward_backward` computed: the loss, and per token [B, C] the log-probs and ratios."""
+
+    loss: float
+    logprobs: torch.Tensor
+    ratio: torch.Tensor
 
 
 class Engine:
@@ -214,6 +224,31 @@ class Engine:
         loss.backward()
         if self.trim_memory:
             trim_freed_memory(self.device)
+
+    def forward_backward(
+        self,
+        batch: Rollout,
+        advantages: torch.Tensor,
+        *,
+        old_logp: torch.Tensor | None = None,
+        loss: str = "clipped",
+        aggregation: str = "token_mean",
+        clip: ClipOptions = ClipOptions(0.2, 0.2, None),
+        temperature: float = 1.0,
+        scale: LossScale | None = None,
+    ) -> ForwardBackward:
+        """One forward with a policy loss of ``POLICY_LOSSES`` aggregated by ``AGGREGATIONS`` over the batch's policy
+        tokens, then its backward (gradients accumulate). ``advantages`` [B] or [B, C]; ``old_logp`` [B, C] the
+        behaviour policy's log-probs (None: this policy's, ratio 1); ``scale`` the totals of the whole mini-batch
+        when the batch is one micro-batch of it (None: this batch's own)."""
+        mask = batch.policy_mask.to(torch.float32)
+        logp, _, _ = self.forward(batch, temperature=temperature)
+        old = logp.detach() if old_logp is None else old_logp
+        out = POLICY_LOSSES.get(loss)(logp, old, advantages, mask, clip)
+        scale = scale or LossScale(float(mask.sum()), len(batch), batch.completion_ids.shape[1])
+        value = AGGREGATIONS.get(aggregation)(out.per_token, mask, scale)
+        self.backward(value)
+        return ForwardBackward(float(value.detach()), logp.detach(), out.ratio.detach())
 
     def zero_grad(self) -> None:
         """Clear the accumulated gradients (before a step's first :meth:`backward`)."""
