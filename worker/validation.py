@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from api.db import session_scope
+from api.orm import Job
 from api.repositories import runs
 from api.settings import Settings
 from api.status import JobStatus
@@ -71,11 +72,11 @@ def check_dataset(path: Path, spec: JobSpec) -> None:
         load_supervised(path)
 
 
-def _job_files(job: Any) -> list[tuple[str, str, str]]:
+def _job_files(job: Job) -> list[tuple[str, str, str]]:
     """(label in messages, request field, file id) of the job's datasets."""
-    files = [("training", "training_file", str(job.training_file))]
+    files = [("training", "training_file", job.training_file)]
     if job.validation_file:
-        files.append(("validation", "validation_file", str(job.validation_file)))
+        files.append(("validation", "validation_file", job.validation_file))
     return files
 
 
