@@ -146,6 +146,9 @@ def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int) 
 def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup: int) -> dict[str, Any]:
     import torch
 
+    import trainer.critic as critic_mod
+    import trainer.engine as engine_mod
+    import trainer.generation as generation_mod
     import trainer.rl as rl
     from trainer.callbacks import BaseCallback
 
@@ -161,8 +164,11 @@ def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup:
     def logp_phase(*_: Any, **__: Any) -> str:
         return "policy_fwd" if torch.is_grad_enabled() else "reference"
 
-    rl.generate = phases.wrap(rl.generate, "generation")  # type: ignore[assignment]
-    rl.completion_logprobs = phases.wrap(rl.completion_logprobs, logp_phase)  # type: ignore[assignment]
+    # The names each module calls: generation in the HF rollout engine, log-prob passes in the engine (and the trunk
+    # critic's rollout pass), grading in the loop.
+    generation_mod.generate = phases.wrap(generation_mod.generate, "generation")  # type: ignore[assignment]
+    engine_mod.completion_logprobs = phases.wrap(engine_mod.completion_logprobs, logp_phase)  # type: ignore[assignment]
+    critic_mod.completion_logprobs = phases.wrap(critic_mod.completion_logprobs, logp_phase)  # type: ignore[assignment]
     rl.grade_batch = phases.wrap(rl.grade_batch, "reward")  # type: ignore[assignment]
     rl.decode_completions = phases.wrap(rl.decode_completions, "reward")  # type: ignore[assignment]
     patch_backward(phases)
@@ -170,7 +176,7 @@ def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup:
     with tempfile.TemporaryDirectory() as out:
         t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device(DEVICE))
         # Wraps the scheduler's own step-tracking wrapper, so the scheduler still sees every optimiser step.
-        t.optimizer.step = phases.wrap(t.optimizer.step, "optimizer")  # type: ignore[method-assign]
+        t.engine.optimizer.step = phases.wrap(t.engine.optimizer.step, "optimizer")  # type: ignore[method-assign]
         clock.last = time.perf_counter()
         t.run()
     assert all(mean == COMPLETION and mx == COMPLETION for mean, mx in lengths), f"ours: lengths {lengths}"

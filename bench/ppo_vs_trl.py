@@ -272,6 +272,9 @@ def run_ours(
 ) -> dict[str, Any]:
     import torch
 
+    import trainer.critic as critic_mod
+    import trainer.engine as engine_mod
+    import trainer.generation as generation_mod
     import trainer.rl as rl
     from trainer.callbacks import BaseCallback
     from trainer.critic import Critic
@@ -301,12 +304,15 @@ def run_ours(
     def backward_phase(*_: Any, **__: Any) -> str:
         return "critic_bwd" if last_grad_forward[0] == "critic" else "backward"
 
-    rl.generate = phases.wrap(rl.generate, "generation")  # type: ignore[assignment]
-    rl.completion_logprobs = phases.wrap(rl.completion_logprobs, logp_phase)  # type: ignore[assignment]
+    # The names each module calls: generation in the HF rollout engine, log-prob passes in the engine (and the trunk
+    # critic's rollout pass), grading in the loop.
+    generation_mod.generate = phases.wrap(generation_mod.generate, "generation")  # type: ignore[assignment]
+    engine_mod.completion_logprobs = phases.wrap(engine_mod.completion_logprobs, logp_phase)  # type: ignore[assignment]
+    critic_mod.completion_logprobs = phases.wrap(critic_mod.completion_logprobs, logp_phase)  # type: ignore[assignment]
     rl.grade_batch = phases.wrap(rl.grade_batch, "reward")  # type: ignore[assignment]
     rl.decode_completions = phases.wrap(rl.decode_completions, "reward")  # type: ignore[assignment]
     Critic.values = phases.wrap(Critic.values, critic_phase)  # type: ignore[method-assign]
-    rl.RLTrainer._gae_advantages = phases.wrap(rl.RLTrainer._gae_advantages, "advantages")  # type: ignore[method-assign]
+    rl.RLTrainer.advantages = phases.wrap(rl.RLTrainer.advantages, "advantages")  # type: ignore[method-assign]
     patch_backward(phases, backward_phase)
     spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps, critic=critic, reward_model=reward_model)
     with tempfile.TemporaryDirectory() as out:
@@ -315,7 +321,7 @@ def run_ours(
             "the benchmark's critic is a second adapter on the policy's base or a head on its trunk"
         )
         # Wraps the scheduler's own step-tracking wrapper, so the scheduler still sees every optimiser step.
-        t.optimizer.step = phases.wrap(t.optimizer.step, "optimizer")  # type: ignore[method-assign]
+        t.engine.optimizer.step = phases.wrap(t.engine.optimizer.step, "optimizer")  # type: ignore[method-assign]
         clock.last = time.perf_counter()
         t.run()
     assert len(lengths) == warmup + steps, f"ours: {len(lengths)} steps"

@@ -75,9 +75,7 @@ def record(out: Path) -> None:
             run = Path(tmp) / method
             train(spec, output_dir=run, callback=JsonlFiles(run))
             rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-            results[method] = [
-                {k: v for k, v in r.items() if k not in M.TIMING_METRICS} for r in rows
-            ]
+            results[method] = [{k: v for k, v in r.items() if k not in M.TIMING_METRICS} for r in rows]
             print(f"{method}: {len(rows)} rows", file=sys.stderr)
     out.write_text(json.dumps(results, indent=1, sort_keys=True))
 

@@ -50,30 +50,7 @@ class PreferenceTrainer:
         assert isinstance(hp, RewardModelHyperparameters | DPOHyperparameters)
         self.hp = hp
         self.reward_model = isinstance(hp, RewardModelHyperparameters)
-
-        # Everything that can be wrong with the input is checked before the model's weights are loaded.
-        train_items = load_preferences(Path(spec.training_file))
-        val_items = load_preferences(Path(spec.validation_file)) if spec.validation_file else []
-        self.tokenizer = load_tokenizer(spec.model)
-        self.train_pairs = encode_preferences(
-            self.tokenizer, train_items, max_length=hp.max_length, path=spec.training_file
-        )
-        self.val_pairs = encode_preferences(
-            self.tokenizer, val_items, max_length=hp.max_length, path=spec.validation_file or ""
-        )
-        longest = max(
-            len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in self.train_pairs + self.val_pairs
-        )
-        check_context(
-            spec.model,
-            needed=longest,
-            what=f"the longest pair ({longest} tokens)",
-            param=f"method.{spec.method.type}.hyperparameters.max_length",
-        )
-        if hp.eval_samples:
-            self.val_pairs = self.val_pairs[: hp.eval_samples]
-        self.total_steps = hp.max_steps or hp.n_epochs * math.ceil(len(self.train_pairs) / hp.batch_size)
-
+        self._load_data()  # everything that can be wrong with the input is checked before any weight is loaded
         self.device = device or default_device()
         self.precision: Precision = resolve_precision(hp.precision, self.device)
         seed_everything(spec.seed)
@@ -107,6 +84,31 @@ class PreferenceTrainer:
             self.loss = PAIRWISE_LOSSES.get(f"dpo_{hp.loss_type}")
         else:
             self.loss = PAIRWISE_LOSSES.get("bradley_terry")
+
+    def _load_data(self) -> None:
+        """The pairs, tokenised and checked against the model's context: the input's errors, before any weight."""
+        spec, hp = self.spec, self.hp
+        train_items = load_preferences(Path(spec.training_file))
+        val_items = load_preferences(Path(spec.validation_file)) if spec.validation_file else []
+        self.tokenizer = load_tokenizer(spec.model)
+        self.train_pairs = encode_preferences(
+            self.tokenizer, train_items, max_length=hp.max_length, path=spec.training_file
+        )
+        self.val_pairs = encode_preferences(
+            self.tokenizer, val_items, max_length=hp.max_length, path=spec.validation_file or ""
+        )
+        longest = max(
+            len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in self.train_pairs + self.val_pairs
+        )
+        check_context(
+            spec.model,
+            needed=longest,
+            what=f"the longest pair ({longest} tokens)",
+            param=f"method.{spec.method.type}.hyperparameters.max_length",
+        )
+        if hp.eval_samples:
+            self.val_pairs = self.val_pairs[: hp.eval_samples]
+        self.total_steps = hp.max_steps or hp.n_epochs * math.ceil(len(self.train_pairs) / hp.batch_size)
 
     # -- state -------------------------------------------------------------------------------------------------
 
