@@ -26,6 +26,9 @@ TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.
 """A job in one of these never changes again."""
 WAITING = (JobStatus.VALIDATING_FILES, JobStatus.QUEUED)
 """Waiting for a worker: a broker message must exist for it (the sweeper re-sends lost ones)."""
+PAUSABLE = (*WAITING, JobStatus.RUNNING)
+"""A pause request is accepted: at once while waiting, at the next checkpoint while running (what the dashboard
+offers a pause button for)."""
 NOT_STARTED = (*WAITING, JobStatus.PAUSED)
 """No trainer runs for it: a cancel takes effect at once."""
 CLAIMABLE = (JobStatus.QUEUED, JobStatus.RUNNING)
