@@ -22,6 +22,16 @@ class JobStatus(StrEnum):
     PAUSED = "paused"  # ours: stopped at a checkpoint, resumable
 
 
+LIFECYCLE = (
+    JobStatus.VALIDATING_FILES,
+    JobStatus.QUEUED,
+    JobStatus.RUNNING,
+    JobStatus.PAUSED,
+    JobStatus.SUCCEEDED,
+    JobStatus.FAILED,
+    JobStatus.CANCELLED,
+)
+"""Every status in a job's usual order (how the dashboard's status filter lists them)."""
 TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 """A job in one of these never changes again."""
 WAITING = (JobStatus.VALIDATING_FILES, JobStatus.QUEUED)

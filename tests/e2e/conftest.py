@@ -28,7 +28,9 @@ from api.db import session_scope
 from api.migrate import upgrade
 from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Tenant
 from api.settings import Settings
+from api.status import JobStatus
 from api.storage import store_from_url
+from api.tasks import RUN_JOB
 from trainer.config import parse_spec
 
 PG_ADMIN = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
@@ -182,7 +184,7 @@ class Service:
                     model=spec["model"],
                     training_file=train,
                     validation_file=val,
-                    status="queued",
+                    status=JobStatus.QUEUED,
                     spec=spec,
                     seed=spec.get("seed", 0),
                     suffix="e2e",
@@ -192,7 +194,7 @@ class Service:
         return job_id
 
     def send(self, job_id: str) -> None:
-        self.celery.send_task("proxima.jobs.run", args=[job_id])
+        self.celery.send_task(RUN_JOB, args=[job_id])
 
     def job(self, job_id: str) -> Job:
         with session_scope(self.url) as s:

@@ -25,6 +25,7 @@ import httpx
 from api.auth import create_key
 from api.db import session_scope
 from api.migrate import upgrade
+from api.status import TERMINAL_STATUSES
 
 from .conftest import create_pg_database, drop_pg_database, redis_url
 
@@ -182,7 +183,7 @@ def wait_job(
         job: dict[str, Any] = client.get(f"/fine_tuning/jobs/{job_id}").json()
         if check(job):
             return job
-        if job["status"] in ("succeeded", "failed", "cancelled"):
+        if job["status"] in TERMINAL_STATUSES:
             raise AssertionError(f"{job_id} ended {job['status']} ({job.get('error')}) before {what}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what} of {job_id}:\n{server.logs()}")
