@@ -2,7 +2,7 @@
 
 A reward model is trained by ``trainer.preference`` (``method.type: reward_model``) and scored by ``reward_model``
 graders (``trainer.evaluate.grade_batch``). Both run the same forward, :func:`sequence_scores`, on the same layout:
-the prompt through the chat template, the reply, one EOS (``trainer.data.encode_completion``). The score is read at
+the prompt through the chat template, the reply, one EOS (``trainer.encoding.encode_completion``). The score is read at
 the last token the attention mask keeps, never at "the first pad" (pad may equal EOS; rl-algorithms §4.6).
 
 A reward-model folder is the PEFT adapter (``adapter_config.json`` with task ``SEQ_CLS``, ``adapter_model.safetensors``
