@@ -1,7 +1,7 @@
 # Two images from one file. `api`: the service (API, migrations, REST clients), which imports no torch. `worker`: the
 # trainer on top of it; PyPI's Linux x86_64 torch wheel carries CUDA, so workers use the GPU that docker-compose
-# reserves for them. Until pyproject.toml moves the trainer's dependencies (torch, transformers, peft, ...) into the
-# `train` extra, both images hold them; the API process loads none of them either way.
+# reserves for them. The trainer's dependencies (torch, transformers, peft, ...) are pyproject.toml's `train` extra:
+# only the worker image holds them.
 FROM python:3.11-slim AS api
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PROXIMA_HOME=/data
