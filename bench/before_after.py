@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common import loadavg
+
 HERE = Path(__file__).resolve().parent
 
 # Run in the worker's interpreter: import the base checkout's trainer, then run its copy of the benchmark.
@@ -36,10 +38,6 @@ assert trainer.__file__.startswith(base), trainer.__file__
 sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def run(side: str, base: Path, script: str, argv: list[str]) -> tuple[dict[str, Any], str, str]:

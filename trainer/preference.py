@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,19 +35,19 @@ from trainer.engine import Engine, ParamGroup, check_context, eager_attention_fo
 from trainer.models import Precision, default_device, load_tokenizer, reference_policy, resolve_precision
 from trainer.reward_model import RewardModelInfo, build_reward_model, score_statistics, sequence_scores
 from trainer.rollout import Rollout, completion_logprobs, micro_slices
-from trainer.steps import RunResult, run_steps, validation_due
+from trainer.steps import EngineLoop, validation_due
 
 STATS_PAIRS = 2048  # pairs scored at the end for a reward model's score statistics
 
 
-class PreferenceTrainer:
+class PreferenceTrainer(EngineLoop):
     """Holds what the loop needs; :meth:`run` is the loop."""
 
     def __init__(self, spec: JobSpec, *, output_dir: Path, callback: Callback, device: torch.device | None = None):
         self.spec, self.out, self.cb = spec, output_dir, callback
         hp = spec.method.hyperparameters
         assert isinstance(hp, RewardModelHyperparameters | DPOHyperparameters)
-        self.hp = hp
+        self.hp: RewardModelHyperparameters | DPOHyperparameters = hp
         self.reward_model = isinstance(hp, RewardModelHyperparameters)
         self._load_data()  # everything that can be wrong with the input is checked before any weight is loaded
         self.device = device or default_device()
@@ -112,26 +111,15 @@ class PreferenceTrainer:
 
     # -- state -------------------------------------------------------------------------------------------------
 
-    def load_state(self, state: dict[str, Any]) -> int:
-        return self.engine.load_state(state)
+    def has_validation_data(self) -> bool:
+        return bool(self.val_pairs)
 
-    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
-        c = self.engine.save_checkpoint(self.out, step=step, spec=self.spec.to_json(), metrics=metrics)
+    def on_saved(self, step: int, checkpoint: ckpt.Checkpoint) -> None:
         if self.reward_model:
             # Every checkpoint is a usable reward model; the last one also carries its score statistics.
-            self._reward_model_info(final=step == self.total_steps).write(c.adapter_dir)
-        self.cb.on_checkpoint(step, c.path, metrics)
-        return c
+            self._reward_model_info(final=step == self.total_steps).write(checkpoint.adapter_dir)
 
     # -- the loop ----------------------------------------------------------------------------------------------
-
-    def run(self, *, resume: bool = False) -> RunResult:
-        return run_steps(
-            self,
-            resume=resume,
-            validate_first=bool(self.val_pairs and self.hp.eval_interval),
-            checkpoint_interval=self.hp.checkpoint_interval,
-        )
 
     def step(self, step: int) -> dict[str, float]:
         hp = self.hp

@@ -20,14 +20,12 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft import PeftModel
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from trainer import checkpoint as ckpt
 from trainer import metrics as M
 from trainer.callbacks import Callback
 from trainer.config import JobSpec, PPOHyperparameters, RLHyperparameters
@@ -70,7 +68,7 @@ from trainer.rl_batch import (
     rollout_records,
 )
 from trainer.rollout import micro_slices
-from trainer.steps import RunResult, run_steps, validation_due
+from trainer.steps import EngineLoop, validation_due
 
 RolloutEngineFactory = Callable[[PeftModel, PreTrainedTokenizerBase], RolloutEngine]
 
@@ -82,7 +80,7 @@ def total_steps(hp: RLHyperparameters, n_prompts: int) -> int:
 # -- the loop --------------------------------------------------------------------------------------------------------
 
 
-class RLTrainer:
+class RLTrainer(EngineLoop):
     """The online RL loop: :meth:`step` is one training step, :meth:`run` the whole run."""
 
     def __init__(
@@ -216,23 +214,8 @@ class RLTrainer:
         except PromptTooLongError as err:
             raise DatasetError(str(err), line=err.item.line, path=path) from None
 
-    # -- run_steps' protocol ---------------------------------------------------------------------------------------
-
-    def run(self, *, resume: bool = False) -> RunResult:
-        return run_steps(
-            self,
-            resume=resume,
-            validate_first=bool(self.val_items and self.hp.eval_interval),
-            checkpoint_interval=self.hp.checkpoint_interval,
-        )
-
-    def load_state(self, state: dict[str, Any]) -> int:
-        return self.engine.load_state(state)
-
-    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
-        c = self.engine.save_checkpoint(self.out, step=step, spec=self.spec.to_json(), metrics=metrics)
-        self.cb.on_checkpoint(step, c.path, metrics)
-        return c
+    def has_validation_data(self) -> bool:
+        return bool(self.val_items)
 
     # -- one step, top to bottom -----------------------------------------------------------------------------------
 

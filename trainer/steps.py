@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 from trainer import checkpoint as ckpt
 from trainer.callbacks import Callback
-from trainer.config import JobSpec
+from trainer.config import Hyperparameters, JobSpec
+from trainer.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,43 @@ class Trainer(Protocol):
     cb: Callback
 
     def run(self, *, resume: bool = False) -> RunResult: ...
+
+
+class EngineLoop:
+    """What the three loops share around their :class:`~trainer.engine.Engine`: :meth:`run` through
+    :func:`run_steps`, and checkpoints saved and restored by the engine. A loop adds ``step`` and
+    ``validation_metrics``, says whether it has validation data, and may write more into a checkpoint
+    (:meth:`on_saved`)."""
+
+    spec: JobSpec
+    out: Path
+    cb: Callback
+    hp: Hyperparameters
+    engine: Engine
+    total_steps: int
+
+    def has_validation_data(self) -> bool:
+        raise NotImplementedError
+
+    def run(self, *, resume: bool = False) -> RunResult:
+        return run_steps(
+            self,  # type: ignore[arg-type]  # the subclass completes the protocol (step, validation_metrics)
+            resume=resume,
+            validate_first=self.has_validation_data() and bool(self.hp.eval_interval),
+            checkpoint_interval=self.hp.checkpoint_interval,
+        )
+
+    def load_state(self, state: dict[str, Any]) -> int:
+        return self.engine.load_state(state)
+
+    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
+        c = self.engine.save_checkpoint(self.out, step=step, spec=self.spec.to_json(), metrics=metrics)
+        self.on_saved(step, c)
+        self.cb.on_checkpoint(step, c.path, metrics)
+        return c
+
+    def on_saved(self, step: int, checkpoint: ckpt.Checkpoint) -> None:
+        """Called after a checkpoint is written, before the callback hears of it."""
 
 
 def run_steps(loop: StepLoop, *, resume: bool, validate_first: bool, checkpoint_interval: int) -> RunResult:

@@ -17,12 +17,10 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from trainer import checkpoint as ckpt
 from trainer import metrics as M
 from trainer.callbacks import Callback
 from trainer.config import JobSpec, SupervisedHyperparameters
@@ -38,7 +36,7 @@ from trainer.encoding import (
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
 from trainer.models import Precision, autocast, default_device, load_tokenizer, resolve_precision
 from trainer.rollout import micro_slices, position_ids
-from trainer.steps import RunResult, run_steps, validation_due
+from trainer.steps import EngineLoop, validation_due
 
 LENGTH_GROUP_BATCHES = 16  # group_by_length sorts mega-batches of this many batches by length (HF's default: 50)
 
@@ -76,7 +74,7 @@ def collate(examples: list[list[EncodedExample]], pad_id: int, *, packed: bool) 
     return Rows(ids, targets, position_ids(mask), mask)
 
 
-class SupervisedTrainer:
+class SupervisedTrainer(EngineLoop):
     """Holds what the loop needs; :meth:`run` is the loop."""
 
     def __init__(self, spec: JobSpec, *, output_dir: Path, callback: Callback, device: torch.device | None = None):
@@ -138,23 +136,10 @@ class SupervisedTrainer:
 
     # -- state -------------------------------------------------------------------------------------------------
 
-    def load_state(self, state: dict[str, Any]) -> int:
-        return self.engine.load_state(state)
-
-    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
-        c = self.engine.save_checkpoint(self.out, step=step, spec=self.spec.to_json(), metrics=metrics)
-        self.cb.on_checkpoint(step, c.path, metrics)
-        return c
+    def has_validation_data(self) -> bool:
+        return bool(self.val_examples)
 
     # -- the loop ----------------------------------------------------------------------------------------------
-
-    def run(self, *, resume: bool = False) -> RunResult:
-        return run_steps(
-            self,
-            resume=resume,
-            validate_first=bool(self.val_examples and self.hp.eval_interval),
-            checkpoint_interval=self.hp.checkpoint_interval,
-        )
 
     def _rows(self, examples: list[EncodedExample]) -> list[list[EncodedExample]]:
         if not self.hp.packing:
