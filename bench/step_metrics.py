@@ -1,7 +1,8 @@
 """Per-step metrics of GRPO, PPO and DPO on tiny-arith for a fixed seed: recorded before a change to the trainer and
 compared after it (the redesign's "same learning" check).
 
-    python bench/step_metrics.py record --out before.json     # on the old code (PYTHONPATH=<old checkout>)
+    git worktree add /tmp/base <commit-before>
+    python bench/step_metrics.py record --base /tmp/base --out before.json    # the old trainer, from the worktree
     python bench/step_metrics.py record --out after.json
     python bench/step_metrics.py compare before.json after.json
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -105,11 +107,17 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record")
     r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--base", type=Path, help="record with the trainer of this checkout (a worktree of an older commit)")
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
     c.add_argument("--rtol", type=float, default=1e-4)
     args = p.parse_args()
+    if args.cmd == "record" and args.base is not None:
+        from before_after import BOOT  # the same swap of checkouts as the speed comparison
+
+        cmd = [sys.executable, "-c", BOOT, str(args.base.resolve()), __file__, "record", "--out", str(args.out)]
+        sys.exit(subprocess.run(cmd).returncode)
     if args.cmd == "record":
         record(args.out)
     else:
