@@ -32,7 +32,14 @@ from trainer.core_algos import PAIRWISE_LOSSES, PairwiseOptions, masked_sum
 from trainer.data import load_preferences
 from trainer.encoding import EncodedPair, PromptSampler, completion_batch, encode_preferences
 from trainer.engine import Engine, ParamGroup, check_context, eager_attention_for_bf16_cpu, load_policy, seed_everything
-from trainer.models import Precision, default_device, load_tokenizer, reference_policy, resolve_precision
+from trainer.models import (
+    Precision,
+    default_device,
+    load_tokenizer,
+    reference_policy,
+    resolve_precision,
+    trainable_parameters,
+)
 from trainer.reward_model import RewardModelInfo, build_reward_model, score_statistics, sequence_scores
 from trainer.rollout import Rollout, completion_logprobs, micro_slices
 from trainer.steps import EngineLoop, validation_due
@@ -67,7 +74,7 @@ class PreferenceTrainer(EngineLoop):
             self.model = load_policy(
                 spec.model, spec.method.lora, device=self.device, precision=self.precision, seed=spec.seed
             ).model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = trainable_parameters(self.model)
         self.engine = Engine(
             self.model,
             groups=[ParamGroup(self.params, hp.effective_learning_rate)],

@@ -54,7 +54,7 @@ from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
 from trainer.evaluate import decode_completions, evaluate_engine, grade_batch
 from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
-from trainer.models import Precision, default_device, load_tokenizer, resolve_precision
+from trainer.models import Precision, default_device, load_tokenizer, resolve_precision, trainable_parameters
 from trainer.recipes import RECIPES, Recipe
 from trainer.rl_batch import (
     Advantages,
@@ -169,7 +169,7 @@ class RLTrainer(EngineLoop):
                 base_copy=policy.base_copy,
             )
         )
-        self.params = [p for p in self.model.parameters() if p.requires_grad]  # the policy's LoRA weights
+        self.params = trainable_parameters(self.model)  # the policy's LoRA weights
         self.critic = (
             build_critic(
                 self.model,

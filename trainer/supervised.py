@@ -34,7 +34,14 @@ from trainer.encoding import (
     pack_examples,
 )
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
-from trainer.models import Precision, autocast, default_device, load_tokenizer, resolve_precision
+from trainer.models import (
+    Precision,
+    autocast,
+    default_device,
+    load_tokenizer,
+    resolve_precision,
+    trainable_parameters,
+)
 from trainer.rollout import micro_slices, position_ids
 from trainer.steps import EngineLoop, validation_due
 
@@ -115,7 +122,7 @@ class SupervisedTrainer(EngineLoop):
         self.model = load_policy(
             spec.model, spec.method.lora, device=self.device, precision=self.precision, seed=spec.seed
         ).model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = trainable_parameters(self.model)
         lengths = [len(e.ids) for e in self.train_examples]
         self.engine = Engine(
             self.model,

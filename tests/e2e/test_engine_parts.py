@@ -15,7 +15,7 @@ from trainer.config import GRPOHyperparameters, LoraSpec
 from trainer.encoding import PromptSampler
 from trainer.engine import Engine, ParamGroup, load_policy, seed_everything
 from trainer.generation import HFRolloutEngine, SamplingParams
-from trainer.models import load_tokenizer
+from trainer.models import load_tokenizer, trainable_parameters
 from trainer.rollout import completion_logprobs
 
 
@@ -25,7 +25,7 @@ def parts(random_model_dir: Path) -> tuple[Engine, HFRolloutEngine, list[list[in
     tok = load_tokenizer(str(random_model_dir))
     device = torch.device("cpu")
     policy = load_policy(str(random_model_dir), LoraSpec(r=4), device=device, precision="fp32", seed=0).model
-    params = [p for p in policy.parameters() if p.requires_grad]
+    params = trainable_parameters(policy)
     hp = GRPOHyperparameters(learning_rate=1e-2)
     engine = Engine(
         policy,
