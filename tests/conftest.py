@@ -55,3 +55,13 @@ def tiny_arith_dir() -> Path:
     from trainer.tiny_arith import build_tiny_arith
 
     return build_tiny_arith(MODEL_CACHE / "tiny-arith")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build tiny-arith once before the tests run when any collected test needs it: outside every test's timeout
+    (pytest-timeout counts fixture set-up against the first test that asks, and the build takes minutes on two
+    shared cores), and a no-op when the cache already holds it."""
+    if any("tiny_arith_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+        from trainer.tiny_arith import build_tiny_arith
+
+        build_tiny_arith(MODEL_CACHE / "tiny-arith")
