@@ -541,6 +541,12 @@ class _Runner:
         with session_scope(self.url) as s:
             if runs.finish(s, job_id=self.job_id, worker_id=self.worker_id, status=status):
                 runs.add_event(s, job_id=self.job_id, level="info", message=message)
+                return status
+        if status == JobStatus.PAUSED:  # refused: a cancel landed after the flags were read, and it wins
+            with session_scope(self.url) as s:
+                cancel, _ = runs.control_flags(s, job_id=self.job_id)
+            if cancel:
+                return self._stopped("cancel", step)
         return status
 
     def _fail(self, code: ErrorCode, message: str) -> str:

@@ -236,7 +236,8 @@ def finish(
     fine_tuned_model: str | None = None,
     result_files: list[str] | None = None,
 ) -> bool:
-    """Set the outcome and release the lease, if the lease is still ours; False when it is not (nothing written)."""
+    """Set the outcome and release the lease, if the lease is still ours; False when it is not (nothing written).
+    ``paused`` is written only while no cancel is requested; False then too."""
     values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None, "estimated_finish": None}
     if status in TERMINAL_STATUSES:
         values["finished_at"] = now()
@@ -248,12 +249,10 @@ def finish(
         values["fine_tuned_model"] = fine_tuned_model
     if result_files is not None:
         values["result_files"] = result_files
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.lease_owner == worker_id)
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    )
+    where = [Job.id == job_id, Job.lease_owner == worker_id]
+    if status == JobStatus.PAUSED:
+        where.append(Job.cancel_requested.is_(False))  # a cancel asked meanwhile wins: the worker finishes cancelled
+    result = session.execute(update(Job).where(*where).values(**values).execution_options(synchronize_session=False))
     return result.rowcount == 1  # type: ignore[attr-defined]
 
 

@@ -280,28 +280,34 @@ def cancel(*, session: Session, tenant: Caller, job_id: str) -> Job:
     job = get(session=session, tenant=tenant, job_id=job_id)
     if job.status in TERMINAL_STATUSES:
         raise Conflict(f"job {job_id} is already {job.status}", param="fine_tuning_job_id", code="job_not_cancellable")
-    # cancel_requested is set in every case, so that a worker that claims the job meanwhile stops it too.
-    stamp = now()
-    if jobs_repo.transition(
-        session,
-        job=job,
-        from_statuses=NOT_STARTED,
-        status=JobStatus.CANCELLED,
-        finished_at=stamp,
-        cancel_requested=True,
-        pause_requested=False,
-        estimated_finish=None,
-    ):
-        jobs_repo.add_event(session, job_id=job.id, level="info", message="Fine-tuning job cancelled")
-    elif jobs_repo.transition(session, job=job, from_statuses=(JobStatus.RUNNING,), cancel_requested=True):
-        jobs_repo.add_event(
+    # cancel_requested is set in every case, so that a worker that claims the job meanwhile stops it too. A running
+    # job can leave `running` between the two conditional updates (its worker pauses it or gives it back): then the
+    # first one is tried again, so the cancel is never lost.
+    for _ in range(2):
+        if jobs_repo.transition(
             session,
-            job_id=job.id,
-            level="info",
-            message="Cancellation requested; the job stops within one training step",
-        )
-    elif job.status in TERMINAL_STATUSES:  # it finished between the read and the update
-        raise Conflict(f"job {job_id} is already {job.status}", param="fine_tuning_job_id", code="job_not_cancellable")
+            job=job,
+            from_statuses=NOT_STARTED,
+            status=JobStatus.CANCELLED,
+            finished_at=now(),
+            cancel_requested=True,
+            pause_requested=False,
+            estimated_finish=None,
+        ):
+            jobs_repo.add_event(session, job_id=job.id, level="info", message="Fine-tuning job cancelled")
+            return job
+        if jobs_repo.transition(session, job=job, from_statuses=(JobStatus.RUNNING,), cancel_requested=True):
+            jobs_repo.add_event(
+                session,
+                job_id=job.id,
+                level="info",
+                message="Cancellation requested; the job stops within one training step",
+            )
+            return job
+        if job.status in TERMINAL_STATUSES:  # it finished between the read and the update
+            raise Conflict(
+                f"job {job_id} is already {job.status}", param="fine_tuning_job_id", code="job_not_cancellable"
+            )
     return job
 
 
