@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from common import loadavg
+from common import run_worker
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,21 +38,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run(side: str, base: Path, script: str, argv: list[str]) -> tuple[dict[str, Any], str, str]:
+def run(side: str, base: Path, script: str, argv: list[str]) -> dict[str, Any]:
+    """One ``ours`` worker run, from the base checkout (``before``) or this one, through ``common.run_worker``."""
     if side == "before":
-        cmd = [sys.executable, "-c", BOOT, str(base), str(base / "bench" / script), "--worker", "ours", *argv]
-    else:
-        cmd = [sys.executable, str(HERE / script), "--worker", "ours", *argv]
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    load_start = loadavg()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    load_end = loadavg()
-    results = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not results:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"{side} worker failed (exit {proc.returncode})")
-    return json.loads(results[-1].removeprefix("RESULT ")), load_start, load_end
+        return run_worker(str(base / "bench" / script), "ours", argv, python=[sys.executable, "-c", BOOT, str(base)])
+    return run_worker(str(HERE / script), "ours", argv)
 
 
 def main() -> None:
@@ -69,9 +57,10 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     for r in range(a.rounds):
         for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-            res, l0, l1 = run(side, a.base.resolve(), a.script, argv)
+            res = run(side, a.base.resolve(), a.script, argv)
+            l0, l1 = res["load_start"], res["load_end"]
             med = statistics.median(res["step_s"])
-            runs[side].append({"median_s": med, **res, "load_start": l0, "load_end": l1})
+            runs[side].append({"median_s": med, **res})
             steps = " ".join(f"{s:.3f}" for s in res["step_s"])
             print(
                 f"round {r + 1} {side:6s} median {med:.3f} s/step ({steps}), peak RSS {res['peak_rss_mib']:.0f} MiB, "

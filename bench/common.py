@@ -303,9 +303,10 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def run_worker(script: str, side: str, argv: list[str]) -> dict[str, Any]:
-    """Run ``script --worker side argv…`` and return its ``RESULT``, with the load average before and after."""
-    cmd = [sys.executable, script, "--worker", side, *argv]
+def run_worker(script: str, side: str, argv: list[str], *, python: list[str] | None = None) -> dict[str, Any]:
+    """Run ``script --worker side argv…`` and return its ``RESULT``, with the load average before and after.
+    ``python``: the interpreter's command line (default this one; ``bench/before_after.py`` passes a bootstrap)."""
+    cmd = [*(python or [sys.executable]), script, "--worker", side, *argv]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("PYTHONWARNINGS", "ignore")
     load_start = loadavg()
