@@ -122,7 +122,7 @@ class HFRolloutEngine:
             min_new_tokens=params.min_new_tokens,
             generator=generator,
             precision=precision,
-            with_logprobs=self.exact_logprobs,
+            with_logprobs=self.exact_logprobs and params.temperature > 0,  # greedy decoding (validation) needs none
         )
         rollout, logp = out if isinstance(out, tuple) else (out, None)
         return Generation(rollout, logp, time.perf_counter() - t0)
