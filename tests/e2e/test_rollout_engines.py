@@ -143,7 +143,8 @@ class TwoTurnEngine:
         second_prompts = [[*p, *first.rollout.completion_ids[i, :k].tolist(), *self.env] for i, p in enumerate(prompts)]
         rest = SamplingParams(params.max_new_tokens - k - 2 * e, params.temperature, params.top_p)
         second = self.hf.generate(second_prompts, rest, generator=generator)
-        assert first.logprobs is not None and second.logprobs is not None
+        # greedy decoding (validation) comes without log-probs; sampling always has them, the engine being exact
+        assert (first.logprobs is None) == (second.logprobs is None) == (params.temperature == 0)
         episodes, policy, turns, logps = [], [], [], []
         for i in range(len(prompts)):
             n2 = int(second.rollout.lengths[i])
@@ -151,7 +152,9 @@ class TwoTurnEngine:
             episodes.append([*first.rollout.completion_ids[i, :k].tolist(), *self.env, *t2, *self.env])
             policy.append([1] * k + [0] * e + [1] * n2 + [0] * e)
             turns.append([0] * k + [1] * e + [2] * n2 + [3] * e)
-            logps.append([*first.logprobs[i, :k].tolist(), *[0.0] * e, *second.logprobs[i, :n2].tolist(), *[0.0] * e])
+            if first.logprobs is not None and second.logprobs is not None:
+                lp1, lp2 = first.logprobs[i, :k].tolist(), second.logprobs[i, :n2].tolist()
+                logps.append([*lp1, *[0.0] * e, *lp2, *[0.0] * e])
         ro = completion_batch([list(p) for p in prompts], episodes, self.tok.pad_token_id)
         width = ro.completion_ids.shape[1]
 
@@ -160,7 +163,8 @@ class TwoTurnEngine:
 
         ro.policy_mask, ro.turn_ids = pad(policy, torch.long), pad(turns, torch.long)
         ro.truncated = second.rollout.truncated.cpu()
-        return Generation(ro, pad(logps, torch.float32), first.seconds + second.seconds)
+        logp = pad(logps, torch.float32) if logps else None
+        return Generation(ro, logp, first.seconds + second.seconds)
 
 
 @pytest.mark.parametrize("method", ["ppo", "grpo"])
