@@ -51,6 +51,14 @@ class TooLarge(StorageError):
         self.max_bytes = max_bytes
 
 
+class StoreFull(StorageError):
+    """The store has no room (ENOSPC, EDQUOT, or the backend's equivalent); nothing was stored."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the artifact store is full: {key!r} was not stored")
+        self.key = key
+
+
 def validate_key(key: str) -> str:
     """Return `key` if it is a safe relative '/'-separated path, else raise ValueError.
 
