@@ -43,11 +43,14 @@ def _record_5xx(response: Any) -> None:
 
 
 @pytest.fixture(autouse=True)
-def no_server_errors() -> Iterator[None]:
-    """Fail any test during which the service answered with a 5xx (a 500 is always a bug)."""
+def no_server_errors(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail any test during which the service answered with a 5xx (a 500 is always a bug), except the codes a test
+    provokes on purpose and names with ``@pytest.mark.expected_5xx(503, ...)``."""
+    marker = request.node.get_closest_marker("expected_5xx")
+    allowed = {f" -> {code}:" for code in (marker.args if marker else ())}
     SERVER_ERRORS.clear()
     yield
-    errors = list(SERVER_ERRORS)
+    errors = [e for e in SERVER_ERRORS if not any(a in e for a in allowed)]
     SERVER_ERRORS.clear()
     assert not errors, "server errors:\n" + "\n".join(errors)
 
