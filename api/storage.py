@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
 import io
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 from urllib.parse import unquote, urlparse
@@ -57,6 +59,20 @@ class StoreFull(StorageError):
     def __init__(self, key: str) -> None:
         super().__init__(f"the artifact store is full: {key!r} was not stored")
         self.key = key
+
+
+# errno values of a file system with no room left for this write (ENOSPC: no space; EDQUOT: over a quota).
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT}
+# S3 error codes meaning the same: MinIO's disk or bucket quota, and the generic quota names of other providers.
+_S3_NO_ROOM = {"XMinioStorageFull", "XMinioAdminBucketQuotaExceeded", "StorageFull", "QuotaExceeded"}
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """One object as a listing sees it: its key and when it was last written (unix seconds)."""
+
+    key: str
+    modified: float
 
 
 def validate_key(key: str) -> str:
@@ -158,6 +174,16 @@ class ArtifactStore(abc.ABC):
     def list(self, prefix: str = "") -> list[str]:
         """The sorted keys under the folder `prefix` ('' for all)."""
 
+    @abc.abstractmethod
+    def list_modified(self, prefix: str = "") -> Sequence[StoredObject]:
+        """The objects under the folder `prefix` with their last-write times, sorted by key."""
+
+    @abc.abstractmethod
+    def clean_temporaries(self, *, older_than: float) -> int:
+        """Remove what writes that never finished left behind (a killed process's temporary files, unfinished
+        multipart uploads) when it was started before `older_than` (unix seconds); return how many were removed.
+        A write still in progress is younger than any sensible grace period, so it is never touched."""
+
     def put_bytes(self, key: str, data: bytes) -> int:
         """Store `data` at `key`."""
         return self.put_stream(key, [data])
@@ -212,6 +238,10 @@ class LocalStore(ArtifactStore):
         except (NotADirectoryError, FileExistsError) as e:
             # A key's folder part is already an object (e.g. `a` then `a/b`): a conflict a folder cannot hold.
             raise StorageError(f"cannot store {key!r}: part of its path is an object") from e
+        except OSError as e:
+            if e.errno in _NO_ROOM:  # the temporary file is already gone (_write_atomically removes it)
+                raise StoreFull(key) from e
+            raise
 
     def open(self, key: str) -> BinaryIO:
         try:
@@ -245,6 +275,26 @@ class LocalStore(ArtifactStore):
                 if not name.startswith("."):  # temporary files of writes in progress
                     keys.append((rel / name).as_posix())
         return sorted(keys)
+
+    def list_modified(self, prefix: str = "") -> Sequence[StoredObject]:
+        found = []
+        for key in self.list(prefix):
+            with contextlib.suppress(FileNotFoundError):  # deleted since the listing
+                found.append(StoredObject(key, self.path(key).stat().st_mtime))
+        return found
+
+    def clean_temporaries(self, *, older_than: float) -> int:
+        removed = 0
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                # _write_atomically's temporaries: ".{object name}.{random}.tmp" beside the object
+                if name.startswith(".") and name.endswith(".tmp"):
+                    path = Path(dirpath) / name
+                    with contextlib.suppress(FileNotFoundError):
+                        if path.stat().st_mtime < older_than:
+                            path.unlink()
+                            removed += 1
+        return removed
 
     def delete_prefix(self, prefix: str) -> int:
         removed = super().delete_prefix(prefix)
@@ -335,6 +385,8 @@ class S3Store(ArtifactStore):
         except ClientError as e:
             if _error_code(e) in ("NoSuchKey", "404", "NotFound"):
                 raise NotFound(key) from None
+            if _error_code(e) in _S3_NO_ROOM:
+                raise StoreFull(key) from e
             raise StorageError(f"S3 request for {key!r} in bucket {self.bucket!r} failed: {e}") from e
         except BotoCoreError as e:
             raise StorageError(f"S3 request for {key!r} in bucket {self.bucket!r} failed: {e}") from e
@@ -412,19 +464,45 @@ class S3Store(ArtifactStore):
         with self._errors(key):
             self.client.delete_object(Bucket=self.bucket, Key=self._object_key(key))
 
-    def _list_object_keys(self, prefix: str) -> Iterator[str]:
+    def _s3_prefix(self, prefix: str) -> str:
         folder_key = _normalize_prefix(prefix)
         full = "/".join(p for p in (self.prefix, folder_key) if p)
-        s3_prefix = f"{full}/" if full else ""
+        return f"{full}/" if full else ""
+
+    def _list_objects(self, prefix: str) -> Iterator[dict[str, Any]]:
         paginator = self.client.get_paginator("list_objects_v2")
         with self._errors(prefix):
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=s3_prefix):
-                for item in page.get("Contents", []):
-                    yield item["Key"]
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._s3_prefix(prefix)):
+                yield from page.get("Contents", [])
+
+    def _list_object_keys(self, prefix: str) -> Iterator[str]:
+        return (item["Key"] for item in self._list_objects(prefix))
 
     def list(self, prefix: str = "") -> list[str]:
         strip = len(self.prefix) + 1 if self.prefix else 0
         return sorted(object_key[strip:] for object_key in self._list_object_keys(prefix))
+
+    def list_modified(self, prefix: str = "") -> Sequence[StoredObject]:
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        found = [
+            StoredObject(item["Key"][strip:], item["LastModified"].timestamp()) for item in self._list_objects(prefix)
+        ]
+        return sorted(found, key=lambda o: o.key)
+
+    def clean_temporaries(self, *, older_than: float) -> int:
+        """Abort the unfinished multipart uploads under this store's prefix (their parts are billed and invisible)."""
+        removed = 0
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        with self._errors(self.prefix or "/"):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._s3_prefix("")):
+                for upload in page.get("Uploads", []):
+                    if upload["Initiated"].timestamp() < older_than:
+                        with contextlib.suppress(ClientError):  # finished or aborted since the listing
+                            self.client.abort_multipart_upload(
+                                Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                            )
+                            removed += 1
+        return removed
 
     def delete_prefix(self, prefix: str) -> int:
         object_keys = list(self._list_object_keys(prefix))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ from api.storage import (
     NotFound,
     S3Store,
     StorageError,
+    StoreFull,
     TooLarge,
     store_from_url,
 )
@@ -350,6 +354,71 @@ class TestLocalStore:
         local_store.put_bytes("files/a", b"x")
         (local_store.root / "files" / ".b.abc123.tmp").write_bytes(b"partial")
         assert local_store.list() == ["files/a"]
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (root can mount one here): a real file system that runs out of room."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    assert done.returncode == 0, f"mounting a tmpfs needs root: {done.stderr!r}"
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+        shutil.rmtree(mount, ignore_errors=True)
+
+
+class TestFullStore:
+    def test_a_write_that_finds_no_room_is_store_full_and_leaves_nothing(self, tiny_fs: Path) -> None:
+        store = LocalStore(tiny_fs)
+        store.put_bytes("files/kept", b"k" * 1000)
+        with pytest.raises(StoreFull, match="files/big") as caught:
+            store.put_stream("files/big", in_chunks(payload(2 << 20), 64 << 10))
+        assert isinstance(caught.value, StorageError)
+        assert [p.relative_to(tiny_fs).as_posix() for p in tiny_fs.rglob("*") if p.is_file()] == ["files/kept"]
+        store.put_bytes("files/small", b"s")  # the room it freed is usable again
+        assert store.get_bytes("files/kept") == b"k" * 1000
+
+    def test_s3_no_room_answers_are_store_full(self, s3_store: S3Store) -> None:
+        from botocore.stub import Stubber
+
+        with Stubber(s3_store.client) as stub:
+            for code in ("XMinioStorageFull", "QuotaExceeded"):
+                stub.add_client_error("put_object", service_error_code=code, http_status_code=507)
+                with pytest.raises(StoreFull):
+                    s3_store.put_bytes("k", b"x")
+
+
+class TestCleanupSupport:
+    def test_list_modified_gives_each_object_its_write_time(self, store: ArtifactStore) -> None:
+        before = time.time()
+        store.put_bytes("jobs/a/1", b"x")
+        store.put_bytes("jobs/a/2", b"y")
+        store.put_bytes("other", b"z")
+        listed = store.list_modified("jobs")
+        assert [o.key for o in listed] == ["jobs/a/1", "jobs/a/2"]
+        assert all(before - 5 <= o.modified <= time.time() + 5 for o in listed)  # S3 keeps whole seconds
+
+    def test_local_temporaries_go_only_past_the_cutoff(self, local_store: LocalStore) -> None:
+        local_store.put_bytes("files/a", b"x")
+        old, young = local_store.root / "files" / ".b.x1.tmp", local_store.root / "files" / ".c.x2.tmp"
+        old.write_bytes(b"partial")
+        young.write_bytes(b"partial")
+        os.utime(old, (time.time() - 100, time.time() - 100))
+        assert local_store.clean_temporaries(older_than=time.time() - 50) == 1
+        assert not old.exists() and young.exists()
+        assert local_store.list() == ["files/a"]
+
+    def test_s3_unfinished_multipart_uploads_are_aborted(self, s3_store: S3Store, s3_endpoint: str) -> None:
+        client = raw_client(s3_endpoint)
+        client.create_multipart_upload(Bucket=BUCKET, Key=f"{s3_store.prefix}/files/killed")
+        # moto reports every upload as initiated on 2010-11-10, so "too young" is checked with a cutoff before that
+        assert s3_store.clean_temporaries(older_than=1e9) == 0
+        assert s3_store.clean_temporaries(older_than=time.time() + 5) == 1
+        uploads = client.list_multipart_uploads(Bucket=BUCKET, Prefix=s3_store.prefix).get("Uploads", [])
+        assert uploads == []
 
 
 class TestS3Store:
