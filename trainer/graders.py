@@ -16,9 +16,7 @@ every reward-model leaf of a batch in batched forward passes (`trainer.reward_mo
 """
 
 import ast
-import difflib
 import functools
-import importlib
 import json
 import keyword
 import math
@@ -26,20 +24,22 @@ import operator
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Annotated, Any, Literal, Self, assert_never
 
+import re2
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
 )
 from pydantic_core import ErrorDetails
+from rapidfuzz.distance import Indel
 
 GRADER_TYPES: tuple[str, ...] = (
     "string_check",
@@ -51,12 +51,24 @@ GRADER_TYPES: tuple[str, ...] = (
     "reward_model",
 )
 
-# Bounds on user input that runs inside the trainer process.
+# Bounds on user input. A grader is parsed where it arrives (the API's request threads, the trainer's config) and
+# graded in a process of its own (trainer.grading_pool), so both its size and the cost of grading one sample are
+# bounded: every check below is linear in its input, and the caps keep that input small.
+MAX_GRADER_DEPTH = 8  # multi graders nested in one another: a multi is depth 1, a multi inside it depth 2, ...
+MAX_GRADERS = 32  # graders in one grader object, multi graders and their leaves counted alike
+MAX_NAME_CHARS = 128  # a grader's `name` and a multi's keys (they name metrics: `reward/<key>/mean`)
+MAX_TEMPLATE_CHARS = 10_000  # each string field that may hold `{{...}}` references
 MAX_FORMULA_CHARS = 1_000
 MAX_FORMULA_DEPTH = 32
-# Python's `re` has no timeout: a regex grader searches only the first MAX_REGEX_INPUT_CHARS characters of its
-# rendered input, and patterns with nested unbounded quantifiers are rejected when parsed (see RegexGrader).
-MAX_REGEX_INPUT_CHARS = 10_000
+MAX_PATTERN_CHARS = 1_000  # a regex grader's pattern
+# Regular expressions run on RE2 (linear time in the text; no backreferences or lookarounds). RE2 refuses a pattern
+# whose compiled program is larger than about 2/3 of this memory budget ("pattern too large"), which also bounds the
+# time to compile one (a few tens of milliseconds at most, with the GIL released).
+RE2_MAX_MEM = 1 << 20
+MAX_REGEX_INPUT_CHARS = 10_000  # a regex grader searches the first this many characters of its rendered input
+# text_similarity compares texts of at most this many characters each (a C implementation, O(n·m/64) word operations:
+# about 15 ms at the cap); a longer rendered input or reference scores 0.0 with an error flag.
+MAX_SIMILARITY_CHARS = 20_000
 
 
 class GraderError(ValueError):
@@ -68,9 +80,10 @@ class GraderError(ValueError):
         self.param = param
 
 
-GradeErrorKind = Literal["invalid_variable", "formula", "other"]
+GradeErrorKind = Literal["invalid_variable", "formula", "timeout", "other"]
 """What went wrong while grading (OpenAI's grader-run error flags): a template named an item field the row lacks, a
-multi grader's `calculate_output` failed, or anything else."""
+multi grader's `calculate_output` failed, grading one sample took longer than its time limit (trainer.grading_pool),
+or anything else."""
 
 
 class GradeError(str):
@@ -117,21 +130,26 @@ class _Ref:
         return "{{" + self.namespace + "." + self.dotted + "}}"
 
 
-_TEMPLATE_RE = re.compile(r"\{\{(.*?)\}\}", re.DOTALL)
 _PATH_SEGMENT_RE = re.compile(r"[^\s.{}]+")
 _SAMPLE_FIELDS = ("output_text",)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # keys are at most MAX_TEMPLATE_CHARS long: the cache holds a few MB at most
 def _parse_template(template: str) -> tuple[str | _Ref, ...]:
-    """Split a template into literal text and references; ValueError names a bad reference."""
+    r"""Split a template into literal text and references; ValueError names a bad reference.
+
+    A reference runs from a `{{` to the first `}}` after it, and the next one starts after that `}}` (what the
+    regular expression `\{\{(.*?)\}\}` finds), found with two `str.find` scans that never go back: linear time.
+    With no `}}` after a `{{`, the rest of the template is literal text."""
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise ValueError(f"longer than {MAX_TEMPLATE_CHARS} characters")
     parts: list[str | _Ref] = []
     end = 0
-    for match in _TEMPLATE_RE.finditer(template):
-        if match.start() > end:
-            parts.append(template[end : match.start()])
-        parts.append(_parse_ref(match.group(1).strip(), match.group(0)))
-        end = match.end()
+    while (start := template.find("{{", end)) != -1 and (close := template.find("}}", start + 2)) != -1:
+        if start > end:
+            parts.append(template[end:start])
+        parts.append(_parse_ref(template[start + 2 : close].strip(), template[start : close + 2]))
+        end = close + 2
     if end < len(template):
         parts.append(template[end:])
     return tuple(parts)
@@ -157,8 +175,8 @@ def _validate_template(value: str) -> str:
     return value
 
 
-Template = Annotated[str, AfterValidator(_validate_template)]
-"""A string that may contain `{{sample.output_text}}` and `{{item.<path>}}`."""
+Template = Annotated[str, StringConstraints(max_length=MAX_TEMPLATE_CHARS), AfterValidator(_validate_template)]
+"""A string that may contain `{{sample.output_text}}` and `{{item.<path>}}`; at most MAX_TEMPLATE_CHARS long."""
 
 
 def _lookup(item: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
@@ -226,13 +244,19 @@ _STRING_OPERATIONS: dict[str, Callable[[str, str], bool]] = {
 
 
 def fuzzy_match(a: str, b: str) -> float:
-    """Similarity ratio in [0, 1]: 2·M / (len(a) + len(b)), M the characters in matching blocks.
+    """Similarity ratio in [0, 1]: 2·LCS(a, b) / (len(a) + len(b)), LCS the length of a longest common
+    subsequence of characters; two empty strings score 1.0.
 
-    Computed with `difflib.SequenceMatcher(autojunk=False).ratio()` (rapidfuzz is not installed here). It
-    equals RapidFuzz's normalised InDel `ratio` / 100, which OpenAI cites, whenever difflib's greedy matching
-    blocks form a longest common subsequence (they usually do). Two empty strings score 1.0.
+    This is RapidFuzz's normalised InDel similarity (`fuzz.ratio` / 100), which OpenAI cites for `fuzzy_match`,
+    computed by RapidFuzz in C (bit-parallel, O(len(a)·len(b)/64)). It equals `difflib.SequenceMatcher`'s `ratio()`,
+    which this function computed before, whenever difflib's greedy matching blocks form a longest common subsequence
+    (they do on ordinary text); where they do not, difflib scored lower ('bbabaa' and 'aaaabbba': 3/7 by difflib's
+    blocks, 4/7 by the LCS 'bbba').
     """
-    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+    total = len(a) + len(b)
+    # Indel.similarity is len(a) + len(b) − distance = 2·LCS, an integer: the ratio is rounded once, as difflib's
+    # 2.0 * matches / total is, so ordinary inputs score bit for bit what they scored with difflib.
+    return Indel.similarity(a, b) / total if total else 1.0
 
 
 _SIMILARITY_METRICS: dict[str, Callable[[str, str], float]] = {"fuzzy_match": fuzzy_match}
@@ -392,65 +416,46 @@ def _evaluate(node: ast.expr, values: Mapping[str, float]) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Regex safety: a heuristic against catastrophic backtracking, over CPython's private regex parser.
-
-try:  # re._parser is CPython's (3.11+); without it the heuristic is skipped and only the length cap applies
-    _SRE_PARSER: ModuleType | None = importlib.import_module("re._parser")
-except ImportError:  # pragma: no cover
-    _SRE_PARSER = None
-
-# An outer repeat of more than this many iterations counts as "unbounded" for the nesting check.
-_MAX_SAFE_OUTER_REPEAT = 8
+# Regular expressions: RE2, whose matching time is linear in the text whatever the pattern (no backtracking).
 
 
-def _has_nested_unbounded_repeat(pattern: str) -> bool:
-    """True for `(a+)+`, `(\\w*\\s?)*`, `(x+y?){1,100}`: an unbounded backtracking repeat inside a repeat.
-
-    Possessive repeats (`a++`) and atomic groups (`(?>...)`) do not backtrack and are not counted.
-    Alternations with overlapping branches (`(a|aa)*`) and polynomial patterns (`.*a.*b.*c`) are not detected.
-    """
-    if _SRE_PARSER is None:  # pragma: no cover
-        return False
-    return _nested_repeat_in(_SRE_PARSER.parse(pattern), inside_repeat=False)
+def _re2_options() -> re2.Options:
+    options = re2.Options()
+    options.max_mem = RE2_MAX_MEM
+    options.log_errors = False  # a refused pattern is the user's error, reported to them, not logged by RE2
+    return options
 
 
-def _nested_repeat_in(subpattern: Any, *, inside_repeat: bool) -> bool:
-    p = _SRE_PARSER
-    assert p is not None
-    for op, av in subpattern.data:
-        if op in (p.MAX_REPEAT, p.MIN_REPEAT):
-            _, high, body = av
-            unbounded = high == p.MAXREPEAT
-            if inside_repeat and unbounded:
-                return True
-            if _nested_repeat_in(body, inside_repeat=inside_repeat or unbounded or high > _MAX_SAFE_OUTER_REPEAT):
-                return True
-        elif op in (p.POSSESSIVE_REPEAT, p.ATOMIC_GROUP):
-            if any(_nested_repeat_in(child, inside_repeat=False) for child in _subpatterns(av)):
-                return True
-        elif any(_nested_repeat_in(child, inside_repeat=inside_repeat) for child in _subpatterns(av)):
-            return True
-    return False
+_RE2_OPTIONS = _re2_options()
 
 
-def _subpatterns(av: Any) -> list[Any]:
-    assert _SRE_PARSER is not None
-    if isinstance(av, _SRE_PARSER.SubPattern):
-        return [av]
-    if isinstance(av, tuple | list):
-        return [child for element in av for child in _subpatterns(element)]
-    return []
+def _check_pattern(pattern: str) -> None:
+    """ValueError saying why RE2 refuses `pattern` (RE2 syntax: no backreferences, no lookarounds)."""
+    try:
+        re2.compile(pattern, _RE2_OPTIONS)
+    except re2.error as exc:
+        detail = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise ValueError(
+            f"invalid regular expression: {detail} (patterns use RE2 syntax: no backreferences like \\1, no "
+            "lookarounds like (?=...) or (?<=...), no atomic groups or possessive repeats)"
+        ) from None
+    finally:
+        # re2.compile keeps the last 128 patterns it compiled; a check has no use for them, and each may hold up to
+        # RE2_MAX_MEM, so the process that validates (the API) keeps none. Grading keeps its own (_compile_pattern).
+        re2.purge()
 
 
-_REGEX_FLAGS: dict[str, re.RegexFlag] = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL}
+# OpenAI's regex flags map onto RE2's inline flags, the same letters.
+_REGEX_FLAGS = ("i", "m", "s")
 
 
-@functools.lru_cache(maxsize=256)
-def _compile_pattern(pattern: str, flags: tuple[str, ...]) -> re.Pattern[str]:
-    combined = re.RegexFlag(0)
-    for flag in flags:
-        combined |= _REGEX_FLAGS[flag]
-    return re.compile(pattern, combined)
+@functools.lru_cache(maxsize=32)  # keys are at most MAX_PATTERN_CHARS long; values at most RE2_MAX_MEM each
+def _compile_pattern(pattern: str, flags: tuple[str, ...]) -> Any:
+    """The compiled RE2 pattern (`re2._Regexp`) with `flags` as a leading inline group: `(?is)pattern`."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(f"longer than {MAX_PATTERN_CHARS} characters")
+    inline = "".join(flag for flag in _REGEX_FLAGS if flag in flags)
+    return re2.compile(f"(?{inline}){pattern}" if inline else pattern, _RE2_OPTIONS)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -460,7 +465,7 @@ def _compile_pattern(pattern: str, flags: tuple[str, ...]) -> re.Pattern[str]:
 class _GraderBase(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
 
 
 class StringCheckGrader(_GraderBase):
@@ -479,7 +484,9 @@ class StringCheckGrader(_GraderBase):
 class TextSimilarityGrader(_GraderBase):
     """The `evaluation_metric` of rendered input and reference, in [0, 1]; only `fuzzy_match` (fuzzy_match()).
 
-    `pass_threshold` is accepted as OpenAI has it and does not change the score.
+    Each rendered text may be at most MAX_SIMILARITY_CHARS long: a sample whose input or reference is longer scores
+    0.0 with an error flag (comparing is O(n·m)). `pass_threshold` is accepted as OpenAI has it and does not change
+    the score.
     """
 
     type: Literal["text_similarity"]
@@ -511,30 +518,26 @@ class NumericMatchGrader(_GraderBase):
 
 
 class RegexGrader(_GraderBase):
-    """1.0 when `re.search(pattern, rendered_input[:MAX_REGEX_INPUT_CHARS], flags)` matches, else 0.0.
+    """1.0 when `pattern` matches somewhere in the first MAX_REGEX_INPUT_CHARS characters of the rendered input,
+    else 0.0.
 
-    `pattern` is a literal regular expression, not a template; flags: i IGNORECASE, m MULTILINE, s DOTALL.
-    Only the first MAX_REGEX_INPUT_CHARS characters are searched, and patterns that nest an unbounded repeat
-    inside another repeat (`(a+)+`) are rejected, to bound backtracking; use `a++` or `(?>...)` instead.
+    `pattern` is a literal regular expression, not a template, in RE2 syntax (https://github.com/google/re2/wiki/Syntax),
+    which matches in time linear in the text: Python's `re` syntax less backreferences (`\\1`), lookarounds
+    (`(?=`, `(?!`, `(?<=`, `(?<!`), atomic groups and possessive repeats; a pattern RE2 refuses is an error naming
+    this field. As in RE2, `\\d`, `\\w`, `\\s` and `\\b` are ASCII (use `\\pN`, `\\pL` for Unicode), and without `m`
+    `$` matches only at the very end of the text. Flags: i (case-insensitive), m (`^`/`$` at line breaks),
+    s (`.` matches a newline).
     """
 
     type: Literal["regex"]
     input: Template
-    pattern: str
-    flags: list[Literal["i", "m", "s"]] = Field(default_factory=list)
+    pattern: str = Field(max_length=MAX_PATTERN_CHARS)
+    flags: list[Literal["i", "m", "s"]] = Field(default_factory=list, max_length=len(_REGEX_FLAGS))
 
     @field_validator("pattern")
     @classmethod
     def _valid_pattern(cls, value: str) -> str:
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"invalid regular expression: {exc}") from exc
-        if _has_nested_unbounded_repeat(value):
-            raise ValueError(
-                "nested unbounded quantifiers (like '(a+)+') can backtrack for exponential time; "
-                "make the inner repeat possessive ('a++') or atomic ('(?>a+)')"
-            )
+        _check_pattern(value)
         return value
 
 
@@ -609,6 +612,8 @@ class MultiGrader(_GraderBase):
         if not value:
             raise ValueError("at least one sub-grader is required")
         for key in value:
+            if len(key) > MAX_NAME_CHARS:
+                raise ValueError(f"key {key[:20]!r}… is longer than {MAX_NAME_CHARS} characters")
             if not key.isidentifier() or not key.isascii() or keyword.iskeyword(key):
                 raise ValueError(f"key {key!r} is not a valid formula variable (letters, digits, _; not a digit first)")
             if key in FORMULA_FUNCTIONS:
@@ -658,6 +663,7 @@ def parse_grader(obj: dict[str, Any]) -> Grader:
     """Validate a grader object (parsed JSON); GraderError names every offending field, `;`-separated."""
     if not isinstance(obj, dict):
         raise GraderError(f"grader: expected an object, got {type(obj).__name__}")
+    _check_tree(obj)
     try:
         return _GRADER_ADAPTER.validate_python(obj)
     except ValidationError as exc:
@@ -665,6 +671,26 @@ def parse_grader(obj: dict[str, Any]) -> Grader:
         raise GraderError(
             "; ".join(f"{field}: {problem}" for field, problem in problems), param=problems[0][0]
         ) from exc
+
+
+def _check_tree(obj: dict[str, Any]) -> None:
+    """GraderError naming the first grader, in depth-first order, that nests multi graders deeper than
+    MAX_GRADER_DEPTH or goes beyond MAX_GRADERS in all; checked on the JSON before any validation, so a deep or wide
+    object costs no more than its first MAX_GRADERS graders."""
+    todo: list[tuple[str, Any, int]] = [("grader", obj, 0)]  # (path, object, multi graders above it)
+    seen = 0
+    while todo:
+        path, node, above = todo.pop()
+        seen += 1
+        if seen > MAX_GRADERS:
+            raise GraderError(f"{path}: a grader holds at most {MAX_GRADERS} graders in all", param=path)
+        if not isinstance(node, dict) or node.get("type") != "multi":
+            continue
+        if above + 1 > MAX_GRADER_DEPTH:
+            raise GraderError(f"{path}: multi graders nest at most {MAX_GRADER_DEPTH} levels deep", param=path)
+        children = node.get("graders")
+        if isinstance(children, dict):  # else validation names the field
+            todo.extend((f"{path}.graders.{key}", child, above + 1) for key, child in reversed(children.items()))
 
 
 def _error_path(loc: tuple[int | str, ...]) -> str:
@@ -765,8 +791,19 @@ def _score_leaf(grader: _LeafGrader, ctx: _Context, path: str) -> float:
         case StringCheckGrader():
             return float(_STRING_OPERATIONS[grader.operation](render(grader.input), render(grader.reference)))
         case TextSimilarityGrader():
+            texts = {"input": render(grader.input), "reference": render(grader.reference)}
+            for field, text in texts.items():
+                if len(text) > MAX_SIMILARITY_CHARS:
+                    ctx.errors.append(
+                        GradeError(
+                            f"grader {grader.name!r}: the rendered {field} is {len(text)} characters long; "
+                            f"text_similarity compares texts of at most {MAX_SIMILARITY_CHARS}; scored 0.0",
+                            "other",
+                        )
+                    )
+                    return 0.0
             metric = _SIMILARITY_METRICS[grader.evaluation_metric]
-            return float(metric(render(grader.input), render(grader.reference)))
+            return float(metric(texts["input"], texts["reference"]))
         case NumericMatchGrader():
             value, reference_text = parse_last_number(render(grader.input)), render(grader.reference)
             reference = parse_last_number(reference_text)
