@@ -134,6 +134,70 @@ def keys_create(tenant: Annotated[str, typer.Option(help="tenant name (created w
     print(key)
 
 
+def _utc(ts: int | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+@keys_app.command("list")
+def keys_list(
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON array of tenants with their keys")] = False,
+) -> None:
+    """Tenants and their keys: each key's id, prefix, created and revoked times (never the key)."""
+    from api.auth import tenants_with_keys
+    from api.db import session_scope
+
+    prepare_database()
+    with session_scope(_settings().db_url) as session:
+        rows: list[dict[str, Any]] = [
+            {
+                "tenant": {"id": t.id, "name": t.name, "created_at": t.created_at},
+                "keys": [
+                    {"id": k.id, "prefix": k.prefix, "created_at": k.created_at, "revoked_at": k.revoked_at}
+                    for k in keys
+                ],
+            }
+            for t, keys in tenants_with_keys(session)
+        ]
+    if as_json:
+        _print(rows)
+        return
+    for row in rows:
+        t = row["tenant"]
+        print(f"{t['name']}  {t['id']}  created {_utc(t['created_at'])}")
+        for k in row["keys"]:
+            revoked = f"revoked {_utc(k['revoked_at'])}" if k["revoked_at"] is not None else "active"
+            print(f"  key {k['id']:<6} {k['prefix']}…  created {_utc(k['created_at'])}  {revoked}")
+        if not row["keys"]:
+            print("  (no keys)")
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key: Annotated[str, typer.Argument(help="the key's id or prefix (as `proxima keys list` shows), or the key")],
+) -> None:
+    """Revoke a key: every API process refuses it from its next request (PostgreSQL tells them at once)."""
+    from api.auth import find_keys, revoke
+    from api.db import session_scope
+
+    prepare_database()
+    with session_scope(_settings().db_url) as session:
+        found = find_keys(session, key)
+        if not found:
+            console.print(f"[red]error:[/red] no key matches {key!r} (see `proxima keys list`)")
+            raise typer.Exit(2)
+        if len(found) > 1:
+            ids = ", ".join(f"{k.id} ({k.prefix}…)" for k in found)
+            console.print(f"[red]error:[/red] {key!r} matches {len(found)} keys: {ids}; name one by its id")
+            raise typer.Exit(2)
+        target = found[0]
+        revoked = revoke(session, key_id=target.id)
+        tenant_id, prefix, revoked_at = target.tenant_id, target.prefix, target.revoked_at
+    if revoked:
+        console.print(f"revoked key {target.id} ({prefix}…) of tenant {tenant_id}")
+    else:
+        console.print(f"key {target.id} ({prefix}…) of tenant {tenant_id} was already revoked at {_utc(revoked_at)}")
+
+
 @app.command()
 def worker(
     concurrency: Annotated[int, typer.Option(help="jobs at a time (one per GPU)")] = 1,

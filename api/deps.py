@@ -15,10 +15,11 @@ from typing import Annotated, Any, TypeVar
 import anyio
 from anyio.lowlevel import RunVar
 from fastapi import Depends, Request
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import Caller, cached_tenant, tenant_for_key
+from api.auth import Caller, cached_tenant, lookup_tenant, tenant_exists
 from api.db import pool_capacity, read, session_scope
 from api.errors import Unauthorized
 from api.settings import Settings
@@ -60,18 +61,18 @@ def session_slot(url: str) -> AbstractAsyncContextManager[Any]:
 
 def _tenant_for_key(url: str, key: str) -> Caller | None:
     with session_scope(url) as session:
-        return tenant_for_key(session, key)
+        return lookup_tenant(session, url, key)
 
 
 async def get_tenant(request: Request, settings: SettingsDep) -> Caller:
-    """The tenant of the request's API key: from this process's key cache, else from the database (its own read,
-    so that a route that needs no session opens none)."""
+    """The tenant of the request's API key: from this process's key cache (``api.auth``: a revoked key is never
+    served from it), else from the database (its own read, so that a route that needs no session opens none)."""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
-    tenant = cached_tenant(key)
+    tenant = cached_tenant(settings.db_url, key)
     if tenant is None:
         async with session_slot(settings.db_url):
             tenant = await run_in_threadpool(_tenant_for_key, settings.db_url, key)
@@ -83,13 +84,16 @@ async def get_tenant(request: Request, settings: SettingsDep) -> Caller:
 TenantDep = Annotated[Caller, Depends(get_tenant)]
 
 
-async def get_session(settings: SettingsDep, _: TenantDep) -> AsyncIterator[Session]:
+async def get_session(settings: SettingsDep, tenant: TenantDep) -> AsyncIterator[Session]:
     """One session per authenticated request, committed (or rolled back) and closed at the request boundary, within
     a ``session_slot``. A session that never touched the database is closed on the event loop (no I/O), not in a
     thread.
 
     The tenant is resolved first (FastAPI caches it for the route's own ``TenantDep``): a key lookup takes a slot of
-    its own, and a request that held one slot while waiting for a second could deadlock a burst."""
+    its own, and a request that held one slot while waiting for a second could deadlock a burst.
+
+    A tenant deleted while its request ran (after the key was checked) makes the request's writes fail on their
+    foreign key: that is a 401, as the same request a moment later would get, not a 500."""
     async with session_slot(settings.db_url):
         scope = session_scope(settings.db_url)
         session = scope.__enter__()  # a Session object: no I/O before its first query
@@ -101,6 +105,8 @@ async def get_session(settings: SettingsDep, _: TenantDep) -> AsyncIterator[Sess
                     scope.__exit__, type(err), err, err.__traceback__, limiter=anyio.CapacityLimiter(1)
                 )
             if not suppressed:
+                if isinstance(err, IntegrityError):
+                    await _unless_tenant_gone(settings.db_url, tenant, err)
                 raise
         else:
             if _untouched(session):
@@ -108,7 +114,22 @@ async def get_session(settings: SettingsDep, _: TenantDep) -> AsyncIterator[Sess
                 return
             # Its own limiter: the commit never waits for a threadpool thread while holding a connection.
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(scope.__exit__, None, None, None, limiter=anyio.CapacityLimiter(1))
+                try:
+                    await anyio.to_thread.run_sync(scope.__exit__, None, None, None, limiter=anyio.CapacityLimiter(1))
+                except IntegrityError as err:
+                    await _unless_tenant_gone(settings.db_url, tenant, err)
+                    raise
+
+
+def _tenant_exists(url: str, tenant_id: str) -> bool:
+    with session_scope(url) as session:
+        return tenant_exists(session, tenant_id=tenant_id)
+
+
+async def _unless_tenant_gone(url: str, tenant: Caller, err: IntegrityError) -> None:
+    """Raise a 401 in place of ``err`` when the request's tenant no longer exists (deleted during the request)."""
+    if not await anyio.to_thread.run_sync(_tenant_exists, url, tenant.id, limiter=anyio.CapacityLimiter(1)):
+        raise Unauthorized("Incorrect API key provided: its tenant no longer exists", code="invalid_api_key") from err
 
 
 def _untouched(session: Session) -> bool:
