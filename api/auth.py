@@ -171,8 +171,12 @@ class Revocations:
 
     def ensure(self) -> int | None:
         """``epoch()``, first opening the listening connection if it is down (at most every
-        ``LISTEN_RETRY_SECONDS``); None while it cannot be opened."""
-        with self._lock:
+        ``LISTEN_RETRY_SECONDS``); None while it cannot be opened. It never waits for another thread's attempt (a
+        database that does not answer would hold every lookup for the connect timeout): that lookup caches
+        nothing."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
             current = self._drain()
             if current is not None or time.monotonic() < self._next_attempt:
                 return current
@@ -185,6 +189,8 @@ class Revocations:
             self._pid = os.getpid()
             self._epoch += 1
             return self._epoch
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         with self._lock:
