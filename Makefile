@@ -5,7 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+# What the tests need from the system, from Debian's packages: Chromium, which the dashboard's browser tests drive
+# (Playwright's own browser download is not used), and bubblewrap, the python grader's sandbox. Installed when
+# missing, with apt-get: as root, else through sudo.
+SYSTEM_TOOLS := /usr/bin/chromium /usr/bin/bwrap
+SYSTEM_PACKAGES := chromium bubblewrap
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+.PHONY: demo test system-tools lint typecheck bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +23,18 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/proxima demo
 
-test: $(STAMP)
+test: $(STAMP) system-tools
 	$(PY) -m pytest -q
+
+system-tools: $(SYSTEM_TOOLS)
+
+# One recipe for all of them (grouped targets): a fresh machine runs apt-get once.
+$(SYSTEM_TOOLS) &:
+	@command -v apt-get >/dev/null || { echo "missing $(SYSTEM_TOOLS): install $(SYSTEM_PACKAGES) (Debian names)"; exit 1; }
+	@echo "installing $(SYSTEM_PACKAGES) with apt-get (the tests need $(SYSTEM_TOOLS))"
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES)
+	@for f in $(SYSTEM_TOOLS); do [ -x "$$f" ] || { echo "$$f is still missing after apt-get install"; exit 1; }; done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -2,8 +2,8 @@
 real jobs on the tiny random model, driven with Playwright in Debian's headless Chromium.
 
 Screenshots of every page are written to ``$PROXIMA_TEST_ARTIFACTS/dashboard/`` (default
-``test-artifacts/dashboard/``, git-ignored). Chromium comes from the system (``apt-get install -y chromium``; CI's
-``.ci/run`` installs it): without it these tests fail, they do not skip.
+``test-artifacts/dashboard/``, git-ignored). Chromium comes from the system (Debian's ``chromium``; ``make test``
+installs it when missing): without it these tests fail, they do not skip.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def browser() -> Iterator[Browser]:
     if not CHROMIUM.exists():
         pytest.fail(
             f"{CHROMIUM} is missing: the dashboard tests drive Debian's Chromium. "
-            "Install it with `apt-get install -y chromium` (.ci/run does this on CI machines)."
+            "`make test` installs it (`make system-tools` alone), or `apt-get install -y chromium`."
         )
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM))
