@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from trainer import graders, reward_model
+from trainer import graders, grading_pool, reward_model
 from trainer.data import PromptItem
 from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
 from trainer.models import Precision
@@ -35,7 +35,9 @@ def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[Pr
     """Grade each (text, item) pair: rewards [N] and each named sub-grader's scores [N].
 
     The grader's reward_model leaves are scored first, each over the whole batch in batched forward passes (the
-    model loaded once per process); the pure graders then combine those scores sample by sample."""
+    model loaded once per process); the pure graders then run in this process's grading process
+    (`trainer.grading_pool`), each sample within a hard time limit: a sample that exceeds it, or whose grading fails,
+    scores 0.0 (its error is flagged there, as every grading problem is)."""
     names = graders.grader_names(grader)
     rows = [it.item for it in items]
     by_model: dict[str, Tensor] = {}  # the same reward model, prompt and normalisation are scored once
@@ -45,12 +47,18 @@ def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[Pr
         if same not in by_model:
             by_model[same] = reward_model.score_samples(leaf, texts, rows)
         model_scores[key] = by_model[same]
-    rewards = torch.empty(len(texts), dtype=torch.float32)
+    samples = [
+        grading_pool.Sample(text, row, {key: float(s[i]) for key, s in model_scores.items()})
+        for i, (text, row) in enumerate(zip(texts, rows, strict=True))
+    ]
+    try:
+        results = grading_pool.default_pool().run(grader.model_dump(mode="json"), samples).results
+    except grading_pool.GradingTimeout as err:  # the grader validated here; a process that cannot is a failed batch
+        problem = graders.GradeError(f"{err}; scored 0.0", "timeout")
+        results = [graders.GradeResult(0.0, {}, (problem,))] * len(samples)
+    rewards = torch.tensor([res.score for res in results], dtype=torch.float32)
     sub = {n: torch.zeros(len(texts), dtype=torch.float32) for n in names}
-    for i, (text, item) in enumerate(zip(texts, items, strict=True)):
-        scored = {key: float(s[i]) for key, s in model_scores.items()}
-        res = graders.grade(grader, output_text=text, item=item.item, model_scores=scored)
-        rewards[i] = res.score
+    for i, res in enumerate(results):
         for n, v in res.sub_scores.items():
             if n in sub:
                 sub[n][i] = v

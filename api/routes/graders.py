@@ -1,4 +1,7 @@
-"""``/v1/fine_tuning/alpha/graders``: OpenAI's grader dry-run and validation."""
+"""``/v1/fine_tuning/alpha/graders``: OpenAI's grader dry-run and validation.
+
+Both are ``async``: the grader runs in a grading process (``api.services.graders``), and the request waits for it
+without holding one of the API's threads."""
 
 from __future__ import annotations
 
@@ -12,10 +15,10 @@ router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["graders"])
 
 
 @router.post("/run", response_model=GraderRunResponse, summary="Score one sample with a grader")
-def run_grader(body: GraderRunRequest, tenant: TenantDep) -> GraderRunResponse:
-    return graders_service.run(grader=body.grader, model_sample=body.model_sample, item=body.item)
+async def run_grader(body: GraderRunRequest, tenant: TenantDep) -> GraderRunResponse:
+    return await graders_service.run(grader=body.grader, model_sample=body.model_sample, item=body.item)
 
 
 @router.post("/validate", response_model=GraderValidateResponse, summary="Check a grader")
-def validate_grader(body: GraderValidateRequest, tenant: TenantDep) -> GraderValidateResponse:
-    return GraderValidateResponse(grader=graders_service.validate(grader=body.grader))
+async def validate_grader(body: GraderValidateRequest, tenant: TenantDep) -> GraderValidateResponse:
+    return GraderValidateResponse(grader=await graders_service.validate(grader=body.grader))
