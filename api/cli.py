@@ -384,19 +384,44 @@ def jobs_cancel(job_id: str, api_base: ApiBase = None, api_key: ApiKey = None) -
     _print(Client(api_base, api_key).json("POST", f"/fine_tuning/jobs/{job_id}/cancel"))
 
 
+def _step_of(event: dict[str, Any]) -> int | None:
+    """The training step an event follows, where it names one: a metrics event's or a checkpoint's ``step``, a stop
+    request's ``completed_step``."""
+    data = event.get("data") or {}
+    for field in ("step", "completed_step"):
+        value = data.get(field)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def follow_job(c: Client, job_id: str, *, poll: float = 1.0) -> dict[str, Any]:
-    """Print a live progress line (step, reward, KL, ETA) and new events until the job ends; returns the job."""
+    """Print a progress line per step (reward, KL, ETA) and the job's messages until the job ends; returns the job.
+
+    Lines come in the order things happened, not in the order they are read: a message that follows a step (a
+    checkpoint of step N, a stop after step N, or any message recorded after step N's metrics event) prints after
+    step N's line. The metrics and the events are two reads, and the worker writes a step's metrics row, its metrics
+    event and its checkpoint separately, so a message read before the metrics of its step waits for them (or for the
+    job's end)."""
     seen_events: set[str] = set()
-    last_step = 0
+    pending: list[tuple[int, str]] = []  # messages read, not printed yet, oldest first: (the step they follow, line)
+    after = 0  # the step the latest message follows: messages keep their own order
+    last_step = 0  # the latest step whose metrics row was read
     while True:
         job = c.json("GET", f"/fine_tuning/jobs/{job_id}")
         events = c.json("GET", f"/fine_tuning/jobs/{job_id}/events", params={"limit": 50})["data"]
-        for e in reversed(events):
-            if e["id"] not in seen_events:
-                seen_events.add(e["id"])
-                if e.get("type", "message") == "message":
-                    console.print(f"[dim]{e['level']}[/dim] {e['message']}")
+        for e in reversed(events):  # oldest first
+            if e["id"] in seen_events:
+                continue
+            seen_events.add(e["id"])
+            step = _step_of(e)
+            if e.get("type", "message") == "metrics":
+                after = max(after, step or 0)  # the messages recorded after it follow that step
+                continue
+            after = max(after, step or 0)
+            pending.append((after, f"[dim]{e['level']}[/dim] {e['message']}"))
         rows = c.json("GET", f"/fine_tuning/jobs/{job_id}/metrics", params={"after_step": last_step})["data"]
+        lines: list[tuple[int, int, int, str]] = []  # (step, 0 for its metrics line or 1 for a message, order, line)
         for row in rows:
             m = row["metrics"]
             last_step = max(last_step, row["step"])
@@ -405,10 +430,19 @@ def follow_job(c: Client, job_id: str, *, poll: float = 1.0) -> dict[str, Any]:
             eta = job.get("estimated_finish")
             eta_s = f"  eta {max(0, int(eta - time.time()))}s" if eta else ""
             kl = f"  kl {m[M.KL_MEAN]:.4f}" if M.KL_MEAN in m else ""
-            console.print(
+            line = (
                 f"step {row['step']}/{job.get('total_steps') or '?'}  reward {m.get(M.REWARD_MEAN, 0.0):.3f}{kl}{eta_s}"
             )
-        if job["status"] in TERMINAL_STATUSES:
+            lines.append((row["step"], 0, len(lines), line))
+        ended = job["status"] in TERMINAL_STATUSES  # read before the metrics: nothing more will come
+        ready = 0
+        while ready < len(pending) and (ended or pending[ready][0] <= last_step):
+            ready += 1
+        lines += [(step, 1, i, line) for i, (step, line) in enumerate(pending[:ready])]
+        del pending[:ready]
+        for *_, line in sorted(lines):
+            console.print(line)
+        if ended:
             return job
         time.sleep(poll)
 
