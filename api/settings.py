@@ -2,6 +2,9 @@
 
 Unset backends fall back to embedded ones computed here: a SQLite file, a broker that needs no server (kombu's
 SQLAlchemy transport on a second SQLite file) and a local artifact folder, all under ``PROXIMA_HOME``.
+
+``PROXIMA_DATABASE_URL`` may be the plain ``postgresql://`` (or ``postgres://``) URL a provider prints: it is read as
+psycopg2's (``api.db.driver_url``). Its time limits are libpq parameters of that URL (``api.db``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.exc import ArgumentError
+
+from api.db import driver_url
 
 
 class Settings(BaseSettings):
@@ -23,7 +29,10 @@ class Settings(BaseSettings):
     artifacts: str | None = None
     s3_endpoint_url: str | None = None
     base_models: list[str] = Field(default_factory=lambda: ["tiny-arith"])
-    max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
+    max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0, description="the largest file `POST /v1/files` takes")
+    max_request_bytes: int = Field(
+        1024 * 1024, gt=0, description="the largest body of any other request (job specs, grader dry-runs)"
+    )
     lease_seconds: float = Field(30.0, gt=0, description="a worker's claim on a job expires after this")
     run_migrations: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = Field(
@@ -39,6 +48,14 @@ class Settings(BaseSettings):
     @classmethod
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
+
+    @field_validator("database_url")
+    @classmethod
+    def _driver(cls, v: str | None) -> str | None:
+        try:
+            return driver_url(v) if v else v
+        except ArgumentError:
+            raise ValueError("not a database URL (expected e.g. postgresql://user:password@host:5432/db)") from None
 
     @property
     def db_url(self) -> str:
