@@ -1,13 +1,13 @@
-"""The FastAPI application: routes, the error envelope, request ids and the upload size guard.
+"""The FastAPI application: routes, the error envelope, request ids and the request guard (``api.guards``).
 
 ``create_app(settings)`` builds an app bound to one settings object (tests pass theirs; ``proxima serve`` passes
-none and gets the environment's). OpenAPI docs are at ``/docs``.
+none and gets the environment's). OpenAPI docs are at ``/docs`` and ``/redoc`` (``api.routes.docs``); the document
+at ``/openapi.json`` says what the API really answers (``document_errors``), since clients are generated from it.
 """
 
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import time
 import uuid
@@ -16,13 +16,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
+from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors
-from api.errors import envelope
-from api.routes import dashboard, files, graders, health, jobs, models
+from api.guards import RequestGuard
+from api.routes import dashboard, docs, files, graders, health, jobs, models
 from api.services import jobs as jobs_service
 from api.settings import Settings, get_settings
 
@@ -32,8 +34,7 @@ startup_log = logging.getLogger("proxima.api")
 REQUEST_ID_HEADER = "x-request-id"
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
-# Multipart framing around the file: boundaries, part headers and the `purpose` field.
-MULTIPART_SLACK_BYTES = 16 * 1024
+SECURITY_SCHEME = "bearerAuth"
 
 
 def _install_log_record_factory() -> None:
@@ -88,41 +89,6 @@ class RequestIdMiddleware:
             request_id.reset(token)
 
 
-class UploadGuardMiddleware:
-    """Refuse an upload whose declared length is over the limit before its body is read (413, OpenAI envelope).
-    Uploads without a length, or within it, are still held to the limit byte by byte while they are stored."""
-
-    def __init__(self, app: ASGIApp, *, max_upload_bytes: int) -> None:
-        self.app = app
-        self.limit = max_upload_bytes + MULTIPART_SLACK_BYTES
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files":
-            length = dict(scope["headers"]).get(b"content-length", b"")
-            if length.isdigit() and int(length) > self.limit:
-                body = envelope(
-                    f"the upload exceeds the limit of {self.limit - MULTIPART_SLACK_BYTES} bytes",
-                    "invalid_request_error",
-                    "file",
-                    "file_too_large",
-                )
-                payload = json.dumps(body).encode()
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 413,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close"),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": payload})
-                return
-        await self.app(scope, receive, send)
-
-
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     _install_log_record_factory()
@@ -146,15 +112,85 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description="Self-hosted RL fine-tuning with OpenAI's fine-tuning API.",
         lifespan=lifespan,
-        docs_url="/docs",
+        docs_url=None,  # FastAPI's pages load scripts from a CDN: ours are served from the package (api.routes.docs)
+        redoc_url=None,
     )
     errors.install(app)
-    for router in (files.router, jobs.router, graders.router, models.router, health.router):
+    routers = (files.router, jobs.router, graders.router, models.router, health.router)
+    for router in routers:
         app.include_router(router)
     dashboard.install(app)
-    app.add_middleware(UploadGuardMiddleware, max_upload_bytes=settings.max_upload_bytes)
+    docs.install(app)
+    # Every route and mount, flat (FastAPI wraps an included router in one opaque entry): what a 405's Allow lists
+    # and what names a bad path parameter.
+    app.state.routes = [
+        *(r for r in app.router.routes if isinstance(r, Route | Mount)),
+        *(r for router in (*routers, dashboard.router, docs.router) for r in router.routes),
+    ]
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(RequestGuard, settings=settings, routes=app.state.routes)
     app.add_middleware(RequestIdMiddleware, slow_ms=settings.slow_request_ms)
     # Routes read the settings from here (api.deps.SettingsDep). Not through app.dependency_overrides: while any
     # override is set, FastAPI re-inspects every dependency's signature on every request (a fifth of a job read).
     app.state.settings = settings
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        document_errors(schema)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def document_errors(schema: dict[str, Any]) -> None:
+    """Make the generated document say what the API answers: the bearer key on every ``/v1`` operation, and the
+    error answers that every operation of a kind can give, each with the envelope's schema. A route documents its
+    own particular errors (a 409, a 507) with ``errors.responses``.
+
+    - any operation: 400 (a parameter that is not UTF-8 text without NUL, or that fails validation), never the 422
+      FastAPI documents by default (``api.errors`` answers 400);
+    - ``/v1``: 401 (no or a wrong key) and 503 (the database or the store is down or too slow);
+    - with a path parameter: 404; with a body: 413 (``api.guards`` bounds every body).
+    """
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    error_schema = errors.ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(error_schema.pop("$defs", {}))
+    schemas["ErrorResponse"] = error_schema
+    components["securitySchemes"] = {
+        SECURITY_SCHEME: {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "An API key (`proxima keys create`), sent as `Authorization: Bearer <key>`",
+        }
+    }
+    for path, item in schema.get("paths", {}).items():
+        for operation in item.values():
+            statuses = {400}
+            if path.startswith("/v1/"):
+                operation["security"] = [{SECURITY_SCHEME: []}]
+                statuses |= {401, 503}
+            if any(p.get("in") == "path" for p in operation.get("parameters", ())):
+                statuses.add(404)
+            if "requestBody" in operation:
+                statuses.add(413)
+            answers = operation.setdefault("responses", {})
+            answers.pop("422", None)
+            for status, spec in errors.responses(*sorted(statuses)).items():
+                if str(status) not in answers:
+                    answers[str(status)] = _error_answer(spec)
+            operation["responses"] = dict(sorted(answers.items()))
+
+
+def _error_answer(spec: dict[str, Any]) -> dict[str, Any]:
+    answer: dict[str, Any] = {
+        "description": spec["description"],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+    if "headers" in spec:
+        answer["headers"] = spec["headers"]
+    return answer

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
 from api.deps import SessionDep, SettingsDep, StoreDep, TenantDep
+from api.errors import responses
 from api.schemas import CursorListObject, FileDeleted, FileObject, cursor_list
 from api.services import files as files_service
 
@@ -33,7 +34,7 @@ def attachment(filename: str) -> str:
     return f"attachment; filename=\"{fallback or 'download'}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
-@router.post("", response_model=FileObject, summary="Upload a JSONL dataset")
+@router.post("", response_model=FileObject, responses=responses(507), summary="Upload a JSONL dataset")
 def create_file(
     file: UploadFile,
     purpose: Annotated[str, Form()],

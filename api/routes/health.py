@@ -1,21 +1,30 @@
-"""``/healthz`` (the process is up) and ``/readyz`` (the database and the broker answer)."""
+"""``/healthz`` (the process is up) and ``/readyz`` (the database, the broker and the artifact store answer).
+
+``/readyz`` needs no key, so its answer names only the backends that are down; why (the driver's message, with
+hosts, ports and database names) goes to the log.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import redis
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 from kombu import Connection
 from sqlalchemy import text
 
 from api.db import engine_for
-from api.deps import SettingsDep
-from api.errors import Unavailable
+from api.deps import SettingsDep, StoreDep
+from api.errors import RETRY_AFTER_S, error_json, responses
 from api.schemas import Health
 from api.settings import Settings
+from api.storage import ArtifactStore, LocalStore
+
+log = logging.getLogger("proxima.api.health")
 
 router = APIRouter(tags=["health"])
 
@@ -46,6 +55,14 @@ def check_broker(settings: Settings) -> None:
             conn.ensure_connection(max_retries=1, timeout=TIMEOUT_S)
 
 
+def check_store(store: ArtifactStore) -> None:
+    if isinstance(store, LocalStore):
+        if not (store.root.is_dir() and os.access(store.root, os.W_OK)):
+            raise OSError(f"artifact folder {store.root} is not a writable directory")
+    else:
+        store.exists("readyz-probe")  # a request to the bucket: raises when it cannot be reached
+
+
 @router.get("/healthz", response_model=Health, summary="The process is up")
 def healthz() -> Health:
     return Health()
@@ -54,16 +71,28 @@ def healthz() -> Health:
 @router.get(
     "/readyz",
     response_model=Health,
-    summary="The database and the broker are reachable",
-    responses={503: {"description": "not ready (OpenAI error envelope)"}},
+    summary="The database, the broker and the artifact store are reachable",
+    responses=responses(503),
 )
-def readyz(settings: SettingsDep) -> Health:
-    failures: list[str] = []
-    for name, check in (("database", check_database), ("broker", check_broker)):
+def readyz(settings: SettingsDep, store: StoreDep) -> Health | JSONResponse:
+    down: list[str] = []
+    checks = (
+        ("database", lambda: check_database(settings)),
+        ("broker", lambda: check_broker(settings)),
+        ("store", lambda: check_store(store)),
+    )
+    for name, check in checks:
         try:
-            check(settings)
-        except Exception as err:  # any failure means not ready; the message says which and why
-            failures.append(f"{name}: {type(err).__name__}: {err}")
-    if failures:
-        raise Unavailable("not ready: " + "; ".join(failures), code="not_ready")
-    return Health(checks={"database": "ok", "broker": "ok"})
+            check()
+        except Exception as err:  # any failure means not ready: the client learns which, the log why
+            log.warning("readyz: the %s is down: %s: %s", name, type(err).__name__, err)
+            down.append(name)
+    if down:
+        return error_json(
+            503,
+            "not ready: " + "; ".join(f"{name}: unavailable" for name in down),
+            "server_error",
+            code="not_ready",
+            **{"retry-after": str(RETRY_AFTER_S)},
+        )
+    return Health(checks={"database": "ok", "broker": "ok", "store": "ok"})

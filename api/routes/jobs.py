@@ -12,7 +12,7 @@ from sqlalchemy import Connection
 
 from api.auth import Caller
 from api.deps import SessionDep, SettingsDep, StoreDep, TenantDep, read_only
-from api.errors import InvalidRequest
+from api.errors import InvalidRequest, responses
 from api.routes.files import attachment, stream
 from api.schemas import (
     CheckpointObject,
@@ -77,17 +77,29 @@ async def retrieve_job(fine_tuning_job_id: str, settings: SettingsDep, tenant: T
     return Response(content=body, media_type="application/json")
 
 
-@router.post("/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, summary="Cancel a job")
+@router.post(
+    "/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, responses=responses(409), summary="Cancel a job"
+)
 def cancel_job(fine_tuning_job_id: str, session: SessionDep, tenant: TenantDep) -> FineTuningJob:
     return FineTuningJob.from_row(jobs_service.cancel(session=session, tenant=tenant, job_id=fine_tuning_job_id))
 
 
-@router.post("/{fine_tuning_job_id}/pause", response_model=FineTuningJob, summary="Pause a job at its next checkpoint")
+@router.post(
+    "/{fine_tuning_job_id}/pause",
+    response_model=FineTuningJob,
+    responses=responses(409),
+    summary="Pause a job at its next checkpoint",
+)
 def pause_job(fine_tuning_job_id: str, session: SessionDep, tenant: TenantDep) -> FineTuningJob:
     return FineTuningJob.from_row(jobs_service.pause(session=session, tenant=tenant, job_id=fine_tuning_job_id))
 
 
-@router.post("/{fine_tuning_job_id}/resume", response_model=FineTuningJob, summary="Resume a paused job")
+@router.post(
+    "/{fine_tuning_job_id}/resume",
+    response_model=FineTuningJob,
+    responses=responses(409),
+    summary="Resume a paused job",
+)
 def resume_job(fine_tuning_job_id: str, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> FineTuningJob:
     job = jobs_service.resume(session=session, settings=settings, tenant=tenant, job_id=fine_tuning_job_id)
     return FineTuningJob.from_row(job)
