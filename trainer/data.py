@@ -9,13 +9,12 @@ loading the training stack. Tokenising, batching and sampling orders live in ``t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer import graders
+from trainer import graders, json_values
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -40,17 +39,22 @@ class PromptItem:
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed object) for every non-blank line; a line that is not JSON is a :class:`DatasetError`."""
-    with path.open("r", encoding="utf-8") as f:
+    """(line number, parsed object) for every non-blank line. A line that is not UTF-8 or not JSON, or holds a
+    value the service cannot store (``trainer.json_values``: a NUL, a lone surrogate, a number that is not finite or
+    has over 4,300 digits, nesting over 64 levels) is a :class:`DatasetError` naming the line."""
+    with path.open("rb") as f:
         for n, raw in enumerate(f, start=1):
-            if not raw.strip():
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DatasetError("not valid UTF-8", line=n, path=str(path)) from None
+            if not text.strip():
                 continue
             try:
-                yield n, json.loads(raw)
-            except json.JSONDecodeError as err:
-                raise DatasetError(
-                    f"not valid JSON ({err.msg} at column {err.colno})", line=n, path=str(path)
-                ) from None
+                value = json_values.loads(text)
+            except json_values.JsonValueError as err:
+                raise DatasetError(str(err), line=n, path=str(path)) from None
+            yield n, value
 
 
 def _messages(obj: Mapping[str, Any], key: str = "messages") -> list[dict[str, str]]:

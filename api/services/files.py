@@ -1,8 +1,8 @@
-"""Files: uploads streamed to the artifact store while every line is checked to be a JSON object."""
+"""Files: uploads streamed to the artifact store while every line is checked to be a JSON object whose values the
+service can store and send back (``trainer.json_values``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from api.repositories import files as files_repo
 from api.schemas import FILE_PURPOSES
 from api.storage import ArtifactStore, TooLarge
 from api.storage import NotFound as ArtifactNotFound
+from trainer import json_values
 
 log = logging.getLogger("proxima.api.files")
 
@@ -63,11 +64,9 @@ class _LineChecker:
         if not text.strip():
             return
         try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise InvalidRequest(
-                f"line {n}: not valid JSON ({err.msg} at column {err.colno})", param="file", code="invalid_file"
-            ) from None
+            obj = json_values.loads(text)
+        except json_values.JsonValueError as err:
+            raise InvalidRequest(f"line {n}: {err}", param="file", code="invalid_file") from None
         if not isinstance(obj, dict):
             raise InvalidRequest(
                 f"line {n}: expected a JSON object, got {type(obj).__name__}", param="file", code="invalid_file"
@@ -103,6 +102,8 @@ def upload(
         raise InvalidRequest(
             f"the file name is longer than {MAX_FILENAME_CHARS} characters", param="file", code="invalid_file"
         )
+    if problem := json_values.string_problem(filename):  # files.filename is text: PostgreSQL cannot hold a NUL
+        raise InvalidRequest(f"the file name {problem}", param="file", code="invalid_file")
     file_id = ids.file_id()
     key = storage_key(tenant_id=tenant.id, file_id=file_id)
     checker = _LineChecker()
