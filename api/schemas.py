@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from sqlalchemy import Row
 
 from api import ids
 from api.orm import Checkpoint, File, Job, JobEvent
 from api.status import JobStatus
+from trainer import json_values
 
 T = TypeVar("T")
 
@@ -22,7 +24,25 @@ FILE_PURPOSES = ("fine-tune",)  # what a client may upload; the worker adds `fin
 
 
 class _Request(BaseModel):
+    """A request body: unknown fields refused, and every value in it, at any depth, one the service can store and
+    send back (``trainer.json_values.check``: no NUL, no lone surrogate, no NaN or infinity, bounded nesting), so that
+    nothing is stored that PostgreSQL cannot read back and no answer fails to encode. The error names the value's
+    path (``metadata.k``, ``method.grpo.grader.input``) and never echoes the value."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable_values(cls, data: Any) -> Any:
+        try:
+            json_values.check(data)
+        except json_values.JsonValueError as err:
+            # A ValidationError raised here keeps its location, so the 400's ``param`` is the value's path.
+            error = PydanticCustomError("invalid_value", err.detail)
+            raise ValidationError.from_exception_data(
+                cls.__name__, [InitErrorDetails(type=error, loc=err.path, input=None)]
+            ) from None
+        return data
 
 
 # ---------------------------------------------------------------------------------------------------------------
