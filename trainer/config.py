@@ -7,11 +7,12 @@ before any model is loaded.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from trainer import graders
 from trainer.names import AggregationName, DPOLossType, KLEstimatorName
@@ -27,8 +28,24 @@ class SpecError(ValueError):
         self.detail = message
 
 
+# Bounds (design §3): generous enough for any real job, and tight enough that no value overflows what stores or
+# uses it (the database's 32-bit step columns, a float's range, a GPU's memory before the first step).
+MAX_STEPS = 1_000_000
+"""Most training steps a job may plan (``max_steps``, or ``n_epochs`` passes over the data): far below int4."""
+MAX_TOKENS = 262_144
+"""Most tokens of any length hyperparameter: a 256k context, the longest of today's open models' common ones."""
+MAX_BATCH = 4096
+"""Most examples (RL: prompts) per step, sequences per forward pass or mini-batches per rollout batch."""
+MAX_GROUP = 256
+"""Most samples per prompt (G)."""
+MAX_ROLLOUT = 65_536
+"""Most sequences one RL step samples (batch_size × group_size)."""
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: NaN and ±Infinity are refused in every float (YAML spells them .nan and .inf, and
+    # Python's JSON parser takes NaN and Infinity), so every number of a spec is finite.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class LoraSpec(_Strict):
@@ -36,10 +53,13 @@ class LoraSpec(_Strict):
     module names. Dropout defaults to 0 because, in RL, dropout makes the first importance ratio ≠ 1 and the KL
     noisy (TRL PR 3234)."""
 
-    r: int = Field(16, ge=1, le=1024)
-    alpha: float = Field(32.0, gt=0)
+    r: int = Field(16, ge=1, le=1024, description="rank, 1 to 1024")
+    alpha: float = Field(32.0, gt=0, le=4096, description="scaling α (the update is scaled by α/r), up to 4096")
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    target_modules: (
+        Literal["all-linear"]
+        | Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=256)]
+    ) = "all-linear"
 
 
 Auto = Literal["auto"]
@@ -56,21 +76,35 @@ class Hyperparameters(_Strict):
     """Optimisation hyperparameters every method shares (design §3). Defaults suit LoRA: the papers' learning rates
     of ~1e-6 are for full fine-tuning."""
 
-    learning_rate: float = Field(3e-4, gt=0, le=1.0)
-    learning_rate_multiplier: float = Field(1.0, gt=0, description="OpenAI's: scales learning_rate")
+    learning_rate: float = Field(3e-4, gt=0, le=1.0, description="0 < lr ≤ 1")
+    learning_rate_multiplier: float = Field(
+        1.0, gt=0, le=100, description="OpenAI's: scales learning_rate (0 < m ≤ 100, learning_rate × m ≤ 1)"
+    )
     lr_scheduler: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    batch_size: int = Field(8, ge=1, description="examples (RL: prompts) per training step")
-    max_steps: int | None = Field(None, ge=1, description="training steps; default: n_epochs over the data")
-    n_epochs: int = Field(1, ge=1)
-    micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass (accumulation)")
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW's decoupled weight decay, 0 to 1")
+    batch_size: int = Field(
+        8, ge=1, le=MAX_BATCH, description=f"examples (RL: prompts) per training step, 1 to {MAX_BATCH}"
+    )
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_STEPS,
+        description=f"training steps, at most {MAX_STEPS:,}; default: n_epochs over the data (which must also plan at "
+        f"most {MAX_STEPS:,} steps)",
+    )
+    n_epochs: int = Field(1, ge=1, le=1000, description="passes over the data, 1 to 1000")
+    micro_batch_size: int | None = Field(
+        None, ge=1, le=MAX_BATCH, description="sequences per forward pass (accumulation)"
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, le=1e6, description="gradient clipping norm; None: no clipping")
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
-    checkpoint_interval: int = Field(10, ge=1)
-    eval_interval: int = Field(0, ge=0, description="steps between validation runs; 0: only at the end")
-    eval_samples: int | None = Field(None, ge=1, description="validation examples per evaluation; default all")
+    checkpoint_interval: int = Field(10, ge=1, le=MAX_STEPS)
+    eval_interval: int = Field(0, ge=0, le=MAX_STEPS, description="steps between validation runs; 0: only at the end")
+    eval_samples: int | None = Field(
+        None, ge=1, le=1_000_000, description="validation examples per evaluation; default all"
+    )
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 where matmuls run fast in it")
 
     @model_validator(mode="before")
@@ -81,30 +115,54 @@ class Hyperparameters(_Strict):
             ("batch_size", "learning_rate_multiplier", "n_epochs", "eval_interval", "eval_samples", "beta"),
         )
 
+    @field_validator("learning_rate_multiplier")
+    @classmethod
+    def _effective_learning_rate_at_most_1(cls, v: float, info: ValidationInfo) -> float:
+        lr = info.data.get("learning_rate")  # absent when learning_rate itself failed
+        if lr is not None and lr * v > 1.0:
+            raise ValueError(f"learning_rate × learning_rate_multiplier = {lr * v:g}: at most 1")
+        return v
+
     @property
     def effective_learning_rate(self) -> float:
         return self.learning_rate * self.learning_rate_multiplier
+
+    def total_steps(self, n_examples: int) -> int:
+        """Training steps of a run over ``n_examples`` examples: ``max_steps``, else ``n_epochs`` passes of
+        ``batch_size`` examples (the last batch of an epoch may be short)."""
+        return self.max_steps or self.n_epochs * math.ceil(n_examples / self.batch_size)
 
 
 class RLHyperparameters(Hyperparameters):
     """Hyperparameters shared by the online RL methods (design §3)."""
 
-    group_size: int = Field(8, ge=1, description="samples per prompt (G)")
-    max_prompt_tokens: int = Field(512, ge=1)
-    max_completion_tokens: int = Field(256, ge=1)
-    min_completion_tokens: int = Field(0, ge=0, description="EOS is held off before this many tokens (benchmarks)")
+    group_size: int = Field(
+        8,
+        ge=1,
+        le=MAX_GROUP,
+        description=f"samples per prompt (G), 1 to {MAX_GROUP}; batch_size × group_size at most {MAX_ROLLOUT:,}",
+    )
+    max_prompt_tokens: int = Field(512, ge=1, le=MAX_TOKENS, description=f"1 to {MAX_TOKENS:,}")
+    max_completion_tokens: int = Field(256, ge=1, le=MAX_TOKENS, description=f"1 to {MAX_TOKENS:,}")
+    min_completion_tokens: int = Field(
+        0, ge=0, le=MAX_TOKENS, description="EOS is held off before this many tokens (benchmarks)"
+    )
     temperature: float = Field(1.0, gt=0, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
-    iterations_per_batch: int = Field(1, ge=1, description="μ: optimisation passes over each rollout batch")
-    mini_batches: int = Field(1, ge=1, description="optimiser steps per pass over a rollout batch")
+    iterations_per_batch: int = Field(
+        1, ge=1, le=100, description="μ: optimisation passes over each rollout batch, 1 to 100"
+    )
+    mini_batches: int = Field(1, ge=1, le=MAX_BATCH, description="optimiser steps per pass over a rollout batch")
     epsilon_low: float = Field(0.2, gt=0, lt=1)
-    epsilon_high: float = Field(0.2, gt=0)
-    dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c (Ye et al. 2019); off by default")
-    beta: float = Field(0.04, ge=0, description="KL coefficient; 0 skips the reference pass")
+    epsilon_high: float = Field(0.2, gt=0, le=10)
+    dual_clip: float | None = Field(
+        None, gt=1, le=100, description="dual-clip constant c (Ye et al. 2019), 1 < c ≤ 100; off by default"
+    )
+    beta: float = Field(0.04, ge=0, le=10, description="KL coefficient, 0 to 10; 0 skips the reference pass")
     kl_estimator: KLEstimatorName = "k3"
     loss_aggregation: AggregationName = "seq_mean_token_mean"
     mask_truncated_completions: bool = False
-    rollouts_logged: int = Field(4, ge=0, description="sampled rollouts written per step")
+    rollouts_logged: int = Field(4, ge=0, le=256, description="sampled rollouts written per step, up to 256")
 
 
 class GRPOHyperparameters(RLHyperparameters):
@@ -112,13 +170,13 @@ class GRPOHyperparameters(RLHyperparameters):
     loss with β = 0.04."""
 
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    std_eps: float = Field(1e-4, gt=0)
+    std_eps: float = Field(1e-4, gt=0, le=1)
 
 
 class DrGRPOHyperparameters(RLHyperparameters):
     """Dr. GRPO (arXiv 2503.20783): A = r − mean_g, token sum over the constant B·L_max, no KL."""
 
-    beta: float = Field(0.0, ge=0)
+    beta: float = Field(0.0, ge=0, le=10)
     loss_aggregation: AggregationName = "seq_mean_token_sum_norm"
 
 
@@ -126,21 +184,25 @@ class DAPOHyperparameters(RLHyperparameters):
     """DAPO (arXiv 2503.14476): clip-higher (ε_low 0.2, ε_high 0.28), dynamic sampling, token-level loss, overlong
     reward shaping, no KL."""
 
-    epsilon_high: float = Field(0.28, gt=0)
-    beta: float = Field(0.0, ge=0)
+    epsilon_high: float = Field(0.28, gt=0, le=10)
+    beta: float = Field(0.0, ge=0, le=10)
     loss_aggregation: AggregationName = "token_mean"
-    std_eps: float = Field(1e-4, gt=0)
+    std_eps: float = Field(1e-4, gt=0, le=1)
     dynamic_sampling: bool = True
-    max_sampling_batches: int = Field(4, ge=1, description="rollout batches drawn at most to fill one step")
-    overlong_buffer: int | None = Field(None, ge=1, description="L_cache in tokens; default a quarter of L_max")
-    overlong_penalty: float = Field(1.0, ge=0, description="factor of the overlong penalty; 0 disables it")
+    max_sampling_batches: int = Field(
+        4, ge=1, le=64, description="rollout batches drawn at most to fill one step, 1 to 64"
+    )
+    overlong_buffer: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="L_cache in tokens; default a quarter of L_max"
+    )
+    overlong_penalty: float = Field(1.0, ge=0, le=100, description="factor of the overlong penalty; 0 disables it")
 
 
 class RLOOHyperparameters(RLHyperparameters):
     """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline, the completion as one action
     (sequence-level ratio), KL as k1 summed into the reward with β = 0.05 (TRL's default)."""
 
-    beta: float = Field(0.05, ge=0)
+    beta: float = Field(0.05, ge=0, le=10)
     kl_estimator: KLEstimatorName = "k1"
 
 
@@ -148,7 +210,7 @@ class ReinforceHyperparameters(RLHyperparameters):
     """REINFORCE (Williams 1992): A = r − b with b the batch mean (or none), on-policy (μ = 1, one mini-batch),
     KL as k1 in the reward, off by default."""
 
-    beta: float = Field(0.0, ge=0)
+    beta: float = Field(0.0, ge=0, le=10)
     kl_estimator: KLEstimatorName = "k1"
     loss_aggregation: AggregationName = "seq_mean_token_sum_norm"
     baseline: Literal["none", "batch_mean"] = "batch_mean"
@@ -160,17 +222,19 @@ class PPOHyperparameters(RLHyperparameters):
     or adaptive toward ``target_kl``), GAE(γ, λ), whitened advantages, a clipped value loss with ``vf_coef`` and
     ``iterations_per_batch`` PPO epochs. One sample per prompt by default: the critic is the baseline."""
 
-    group_size: int = Field(1, ge=1, description="samples per prompt; the value model is the baseline")
-    iterations_per_batch: int = Field(4, ge=1, description="PPO epochs over each rollout batch (TRL: 4)")
-    beta: float = Field(0.05, ge=0, description="KL coefficient (TRL's kl_coef); the initial one when adaptive")
+    group_size: int = Field(1, ge=1, le=MAX_GROUP, description="samples per prompt; the value model is the baseline")
+    iterations_per_batch: int = Field(4, ge=1, le=100, description="PPO epochs over each rollout batch (TRL: 4)")
+    beta: float = Field(0.05, ge=0, le=10, description="KL coefficient (TRL's kl_coef); the initial one when adaptive")
     kl_estimator: KLEstimatorName = "k1"
     loss_aggregation: AggregationName = "token_mean"
-    target_kl: float | None = Field(None, gt=0, description="adaptive KL controller's target; None: β is fixed")
-    kl_horizon: int = Field(10000, ge=1, description="adaptive KL controller's horizon in samples")
+    target_kl: float | None = Field(None, gt=0, le=100, description="adaptive KL controller's target; None: β is fixed")
+    kl_horizon: int = Field(10000, ge=1, le=10**9, description="adaptive KL controller's horizon in samples")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ")
-    vf_coef: float = Field(0.1, ge=0, description="weight of the value loss")
-    cliprange_value: float | None = Field(0.2, gt=0, description="value clipping around the old values; None: off")
+    vf_coef: float = Field(0.1, ge=0, le=100, description="weight of the value loss, 0 to 100")
+    cliprange_value: float | None = Field(
+        0.2, gt=0, le=100, description="value clipping around the old values; None: off"
+    )
     whiten_advantages: bool = True
     whiten_rewards: bool = False
     value_model: str | None = Field(
@@ -189,10 +253,14 @@ class RewardModelHyperparameters(Hyperparameters):
     loss −log σ(r_chosen − r_rejected − m)."""
 
     learning_rate: float = Field(1e-4, gt=0, le=1.0)
-    max_length: int = Field(1024, ge=2, description="tokens of prompt plus completion; longer pairs are refused")
-    margin: float = Field(0.0, description="constant margin m; a line's own 'margin' field is added to it")
+    max_length: int = Field(
+        1024, ge=2, le=MAX_TOKENS, description="tokens of prompt plus completion; longer pairs are refused"
+    )
+    margin: float = Field(
+        0.0, ge=-100, le=100, description="constant margin m, -100 to 100; a line's own 'margin' field is added to it"
+    )
     center_rewards_coefficient: float | None = Field(
-        None, ge=0, description="adds c·mean((r_c + r_r)²) (Eisenstein et al. 2023, arXiv 2312.09244)"
+        None, ge=0, le=100, description="adds c·mean((r_c + r_r)²) (Eisenstein et al. 2023, arXiv 2312.09244)"
     )
 
 
@@ -201,10 +269,12 @@ class DPOHyperparameters(Hyperparameters):
     the reference being the base with the adapter disabled; ``label_smoothing`` ε gives cDPO's conservative loss."""
 
     learning_rate: float = Field(5e-5, gt=0, le=1.0)
-    beta: float = Field(0.1, gt=0)
+    beta: float = Field(0.1, gt=0, le=10, description="0 < β ≤ 10")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     loss_type: DPOLossType = "sigmoid"
-    max_length: int = Field(1024, ge=2, description="tokens of prompt plus completion; longer pairs are refused")
+    max_length: int = Field(
+        1024, ge=2, le=MAX_TOKENS, description="tokens of prompt plus completion; longer pairs are refused"
+    )
 
 
 class SupervisedHyperparameters(Hyperparameters):
@@ -212,7 +282,7 @@ class SupervisedHyperparameters(Hyperparameters):
     step's batch (the accumulated micro-batches give exactly the full batch's loss)."""
 
     learning_rate: float = Field(2e-4, gt=0, le=1.0)
-    max_length: int = Field(1024, ge=2, description="tokens per example (per packed row with packing)")
+    max_length: int = Field(1024, ge=2, le=MAX_TOKENS, description="tokens per example (per packed row with packing)")
     packing: bool = Field(False, description="pack examples into rows of max_length (attention kept per example)")
     group_by_length: bool = Field(True, description="batch examples of similar length (less padding)")
     assistant_turns: Literal["all", "last"] = Field(
@@ -289,7 +359,7 @@ class JobSpec(BaseModel):
     model: Annotated[str, Field(min_length=1)]
     training_file: Annotated[str, Field(min_length=1)]
     validation_file: str | None = None
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**31 - 1)
     suffix: str | None = Field(None, max_length=64)
     metadata: dict[str, str] | None = None
     method: MethodSpec
@@ -370,6 +440,11 @@ def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
             if getattr(hp, name) != 1:
                 raise SpecError("reinforce is on-policy: must be 1", param=f"{where}.{name}")
     rollout = hp.batch_size * hp.group_size
+    if rollout > MAX_ROLLOUT:
+        raise SpecError(
+            f"batch_size × group_size = {rollout:,} sequences a step; at most {MAX_ROLLOUT:,}",
+            param=f"{where}.group_size",
+        )
     if rollout % hp.mini_batches:
         raise SpecError(
             f"batch_size × group_size = {rollout} is not divisible into {hp.mini_batches} mini-batches",
@@ -383,6 +458,18 @@ def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
     overlong = hp.overlong_buffer if isinstance(hp, DAPOHyperparameters) else None
     if overlong is not None and overlong > hp.max_completion_tokens:
         raise SpecError("overlong_buffer must not exceed max_completion_tokens", param=f"{where}.overlong_buffer")
+
+
+def check_total_steps(spec: JobSpec, *, n_examples: int) -> None:
+    """:class:`SpecError` when a run over ``n_examples`` training examples plans more than :data:`MAX_STEPS` steps
+    (``n_epochs`` passes of ``batch_size``; ``max_steps`` is bounded on its own)."""
+    hp = spec.method.hyperparameters
+    if (steps := hp.total_steps(n_examples)) > MAX_STEPS:
+        raise SpecError(
+            f"{hp.n_epochs} epochs of {n_examples:,} examples in batches of {hp.batch_size} are {steps:,} steps; "
+            f"at most {MAX_STEPS:,}: lower n_epochs or set max_steps",
+            param=f"method.{spec.method.type}.hyperparameters.n_epochs",
+        )
 
 
 def parse_spec(raw: Any) -> JobSpec:

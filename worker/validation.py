@@ -26,7 +26,7 @@ from api.repositories import runs
 from api.settings import Settings
 from api.status import JobStatus
 from api.storage import ArtifactStore, NotFound
-from trainer.config import JobSpec, parse_spec
+from trainer.config import JobSpec, SpecError, check_total_steps, parse_spec
 from trainer.data import DatasetError, load_preferences, load_prompts, load_supervised
 from worker.errors import ErrorCode, JobError
 from worker.lease import Heartbeat
@@ -59,17 +59,17 @@ def download_dataset(url: str, store: ArtifactStore, *, file_id: str, dest: Path
     return dest
 
 
-def check_dataset(path: Path, spec: JobSpec) -> None:
-    """Validate every line against the method's format (design §4); :class:`DatasetError` names the first bad line:
-    prompts holding the fields the grader's templates name (RL), preference pairs (reward_model, dpo), or
-    conversations ending with an assistant turn (supervised)."""
+def check_dataset(path: Path, spec: JobSpec) -> int:
+    """Validate every line against the method's format (design §4) and return the number of examples;
+    :class:`DatasetError` names the first bad line: one that is not JSON or holds a value the service cannot take
+    (``trainer.json_values``), prompts without the fields the grader's templates name (RL), preference pairs
+    (reward_model, dpo), or conversations ending with an assistant turn (supervised)."""
     fmt = spec.method.data_format
     if fmt == "prompts":
-        load_prompts(path, grader=spec.method.grader)
-    elif fmt == "preferences":
-        load_preferences(path)
-    else:
-        load_supervised(path)
+        return len(load_prompts(path, grader=spec.method.grader))
+    if fmt == "preferences":
+        return len(load_preferences(path))
+    return len(load_supervised(path))
 
 
 def _job_files(job: Job) -> list[tuple[str, str, str]]:
@@ -89,13 +89,18 @@ def _verdict(
         for which, param, file_id in files:
             try:
                 path = download_dataset(url, store, file_id=file_id, dest=Path(tmp) / f"{param}.jsonl")
-                check_dataset(path, spec)
+                n_examples = check_dataset(path, spec)
             except DatasetError as err:
                 message = dataset_message(which, file_id, line=err.line, detail=err.detail)
                 return JobError(ErrorCode.INVALID_FILE, message, param=param)
             except JobError as err:
                 err.param = param
                 return err
+            if param == "training_file":
+                try:  # the number of steps n_epochs plans depends on the data: the request could not check it
+                    check_total_steps(spec, n_examples=n_examples)
+                except SpecError as err:
+                    return JobError(ErrorCode.INVALID_HYPERPARAMETERS, err.detail, param=err.param)
     return None
 
 
