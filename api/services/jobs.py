@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, BinaryIO
 
 from celery import Celery
 from sqlalchemy import Connection, Row
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from api import ids
@@ -30,7 +30,8 @@ from api.errors import Conflict, InvalidRequest, NotFound
 from api.orm import Checkpoint, Job, JobEvent, Rollout, now
 from api.repositories import files as files_repo
 from api.repositories import jobs as jobs_repo
-from api.schemas import JobCreate
+from api.repositories import runs as runs_repo
+from api.schemas import FineTuningJob, JobCreate
 from api.settings import Settings
 from api.status import NOT_STARTED, TERMINAL_STATUSES, WAITING, JobStatus
 from api.storage import ArtifactStore
@@ -75,10 +76,21 @@ def enqueue(*, settings: Settings, job_id: str) -> bool:
 
 
 def _commit_and_enqueue(*, session: Session, settings: Settings, job: Job) -> None:
-    """Commit the row first, then publish; record ``enqueued_at`` (committed at the request boundary)."""
+    """Commit the row first, then publish, then record ``enqueued_at``.
+
+    Nothing after the commit may fail the request: a client told that its request failed retries it, and a job
+    committed and queued behind a failed answer would train twice. So the publish reports failure instead of raising
+    (the sweeper enqueues the job later), and ``enqueued_at`` is written in a transaction of its own whose failure is
+    only logged (the sweeper then sends one more wake-up, which the database's lease makes harmless); the request's
+    session, and the job the answer is built from, stay as committed."""
     session.commit()
-    if enqueue(settings=settings, job_id=job.id):
-        job.enqueued_at = time.time()
+    if not enqueue(settings=settings, job_id=job.id):
+        return
+    try:
+        with session_scope(settings.db_url) as s:
+            runs_repo.mark_enqueued(s, job_id=job.id)
+    except SQLAlchemyError as err:
+        log.warning("job %s: could not record that it was enqueued (%s); the sweeper will wake it again", job.id, err)
 
 
 # -- create ---------------------------------------------------------------------------------------------------
@@ -177,7 +189,8 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
     ``validating_files`` and enqueue it.
 
     Unlike other services this one commits (through the request's session) before publishing, because a worker
-    must find the row when the message arrives. The files' contents are the worker's to validate: a dataset that
+    must find the row when the message arrives; everything that can fail, building the answer included, happens
+    before that commit (``_commit_and_enqueue``). The files' contents are the worker's to validate: a dataset that
     does not fit the method fails the job (``invalid_file``, naming the file and the line), not the request, as
     OpenAI's ``validating_files`` does.
     """
@@ -223,6 +236,9 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
         ),
     )
     jobs_repo.add_event(session, job_id=job.id, level="info", message="Created fine-tuning job")
+    # The answer is built before the commit, so that whatever could fail in building it fails the request with
+    # nothing stored (the route builds the same object from the same row).
+    FineTuningJob.from_row(job).model_dump_json()
     _commit_and_enqueue(session=session, settings=settings, job=job)
     return job
 
