@@ -16,7 +16,7 @@ from sqlalchemy import Row
 from api import ids
 from api.orm import Checkpoint, File, Job, JobEvent
 from api.status import JobStatus
-from trainer import json_values
+from trainer import config, json_values
 
 T = TypeVar("T")
 
@@ -123,7 +123,16 @@ class JobCreate(_Request):
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     suffix: str | None = None
     metadata: dict[str, str] | None = None
-    method: dict[str, Any] | None = None
+    method: dict[str, Any] | None = Field(
+        None,
+        description="`{type, <type>: {grader, hyperparameters, lora}}` (design §3). Every hyperparameter is "
+        "optional, and every number finite and within its range, among others: batch_size 1 to "
+        f"{config.MAX_BATCH}, group_size 1 to {config.MAX_GROUP} (batch_size × group_size at most "
+        f"{config.MAX_ROLLOUT}), max_steps at most {config.MAX_STEPS} (and n_epochs over the data as many steps), "
+        f"n_epochs 1 to 1000, token lengths at most {config.MAX_TOKENS}, learning_rate × learning_rate_multiplier "
+        "at most 1, beta 0 to 10, weight_decay 0 to 1, lora.r 1 to 1024, lora.alpha at most 4096; a value out of "
+        "range is a 400 naming it. `proxima train` takes the same spec with the same ranges.",
+    )
     hyperparameters: dict[str, Any] | None = None
     integrations: list[Any] | None = None
 
