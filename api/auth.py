@@ -8,7 +8,10 @@ of a job poll), yet a revoked key, or a deleted tenant's, fails at once on every
   tenant's deletion (its keys go with it by the foreign key's cascade).
 - Each API process listens on a connection of its own (``Revocations``). A cached entry is used only if no
   notification arrived on it since the entry was looked up: a non-blocking read of that connection's socket on
-  every cache hit (about 2 µs). PostgreSQL sends the notification as the revocation commits.
+  every cache hit (about 2 µs). PostgreSQL signals the listening sessions as the revocation commits, and each
+  sends the notification on its socket as soon as it runs: measured 0.09 ms after the commit at the median and
+  20 ms at the 99th percentile on a 2-core machine at load 8, less than ``proxima keys revoke`` takes to exit. A
+  request that races the notification is served as one that arrived just before the commit.
 - While that connection is down (it is re-opened on the next lookup, at most every ``LISTEN_RETRY_SECONDS``),
   and on SQLite (no notifications; the embedded default, one machine), nothing is cached: every request looks its
   key up.
@@ -245,13 +248,13 @@ def _listen(url: str) -> Any:
 
 def can_listen(url: str) -> bool:
     """Whether ``url``'s database can notify revocations: PostgreSQL through psycopg2 (another driver: no cache)."""
-    if not url.startswith("postgresql"):
+    if url.startswith("sqlite"):
         return False
     try:
         dialect = engine_for(url).dialect
     except Exception:  # its driver is not installed: the requests' own lookups will say so
         return False
-    return dialect.driver == "psycopg2"
+    return dialect.name == "postgresql" and dialect.driver == "psycopg2"
 
 
 _revocations: dict[str, Revocations | None] = {}

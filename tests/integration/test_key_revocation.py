@@ -241,7 +241,14 @@ def test_a_cached_key_costs_no_query_until_its_revocation_arrives(settings: Any,
             for _ in range(5):
                 assert c.get("/v1/models").status_code == 200
             assert len(lookups) == first  # served from the cache
+            listener = auth.revocations(settings.db_url)
+            assert listener is not None
+            heard = listener.epoch()
             _sql(settings, "UPDATE api_keys SET revoked_at = 1 WHERE key_hash = %s", auth.hash_key(victim.key))
+            deadline = time.monotonic() + 10
+            while listener.epoch() == heard:  # this process (the app's) hears of it
+                assert time.monotonic() < deadline, "the revocation's notification never came"
+                time.sleep(0.001)
             assert_error(c.get("/v1/models"), 401, code="invalid_api_key")
             assert len(lookups) == first + 1
     finally:
