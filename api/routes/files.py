@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from api.deps import SessionDep, SettingsDep, StoreDep, TenantDep
 from api.errors import responses
-from api.schemas import CursorListObject, FileDeleted, FileObject, cursor_list
+from api.schemas import FILE_PURPOSES, CursorListObject, FileDeleted, FileObject, cursor_list
 from api.services import files as files_service
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -37,7 +37,7 @@ def attachment(filename: str) -> str:
 @router.post("", response_model=FileObject, responses=responses(507), summary="Upload a JSONL dataset")
 def create_file(
     file: UploadFile,
-    purpose: Annotated[str, Form()],
+    purpose: Annotated[str, Form(json_schema_extra={"enum": list(FILE_PURPOSES)})],
     session: SessionDep,
     settings: SettingsDep,
     store: StoreDep,

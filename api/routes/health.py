@@ -16,9 +16,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from kombu import Connection
 from sqlalchemy import text
+from starlette.concurrency import run_in_threadpool
 
 from api.db import engine_for
-from api.deps import SettingsDep, StoreDep
+from api.deps import SettingsDep, get_store
 from api.errors import RETRY_AFTER_S, error_json, responses
 from api.schemas import Health
 from api.settings import Settings
@@ -74,16 +75,19 @@ def healthz() -> Health:
     summary="The database, the broker and the artifact store are reachable",
     responses=responses(503),
 )
-def readyz(settings: SettingsDep, store: StoreDep) -> Health | JSONResponse:
-    down: list[str] = []
+async def readyz(settings: SettingsDep) -> Health | JSONResponse:
+    async def store() -> None:
+        await run_in_threadpool(check_store, await get_store(settings))  # making the store may fail too
+
     checks = (
-        ("database", lambda: check_database(settings)),
-        ("broker", lambda: check_broker(settings)),
-        ("store", lambda: check_store(store)),
+        ("database", lambda: run_in_threadpool(check_database, settings)),
+        ("broker", lambda: run_in_threadpool(check_broker, settings)),
+        ("store", store),
     )
+    down: list[str] = []
     for name, check in checks:
         try:
-            check()
+            await check()
         except Exception as err:  # any failure means not ready: the client learns which, the log why
             log.warning("readyz: the %s is down: %s: %s", name, type(err).__name__, err)
             down.append(name)
