@@ -24,6 +24,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 MAX_DEPTH = 64
@@ -68,31 +69,86 @@ def string_problem(text: str) -> str | None:
 
 def check(value: Any, *, max_depth: int = MAX_DEPTH) -> None:
     """Raise :class:`JsonValueError` at the first string (object key or value) with a NUL or a lone surrogate, the
-    first float that is not finite, or the first array or object nested more than ``max_depth`` levels deep.
+    first float that is not finite, or the first array or object nested more than ``max_depth`` levels deep, in
+    document order.
 
     A bad key is reported at the object that holds it, never in the path: a path must itself be safe to send back.
+    The walk is iterative and keeps one iterator per open level: no recursion limit of its own, and a cost of about
+    one ``json.loads`` of the same value (it runs on every request body), paths being built only for an error.
     """
-    stack: list[tuple[Any, Path, int]] = [(value, (), 0)]
-    while stack:
-        node, path, depth = stack.pop()
-        if isinstance(node, str):
-            if problem := string_problem(node):
-                raise JsonValueError(problem, path=path)
-        elif isinstance(node, float):
-            if not math.isfinite(node):
-                raise JsonValueError(NOT_FINITE, path=path)
-        elif isinstance(node, dict | list):
-            if depth >= max_depth:  # named by its top-level field: the whole path would be as long as the nesting
-                raise JsonValueError(f"nested more than {max_depth} levels deep", path=path[:1])
-            if isinstance(node, dict):
-                for key in node:
-                    if isinstance(key, str) and (problem := string_problem(key)):
-                        raise JsonValueError(f"a key {problem}", path=path)
-                children: list[tuple[str | int, Any]] = list(node.items())
-            else:
-                children = list(enumerate(node))
-            # Reversed onto the stack, so the first problem in document order is the one reported.
-            stack.extend((child, (*path, key), depth + 1) for key, child in reversed(children))
+    if not isinstance(value, dict | list):
+        _check_leaf(value, ())
+        return
+    # One frame per open array or object: its (key, child) iterator and its own key in its parent.
+    frames: list[tuple[Iterator[tuple[Any, Any]], str | int | None]] = []
+    _enter(frames, value, None, max_depth)
+    while frames:
+        for key, child in frames[-1][0]:
+            cls = child.__class__
+            if cls is str:
+                if "\x00" in child or (not child.isascii() and _SURROGATE.search(child)):
+                    _check_leaf(child, _path(frames, key))
+            elif cls is float:
+                if child - child != 0.0:  # NaN or ±inf (inf - inf is NaN)
+                    _check_leaf(child, _path(frames, key))
+            elif cls is list and len(frames) < max_depth:
+                frames.append((enumerate(child), key))
+                break
+            elif cls is dict and len(frames) < max_depth:
+                try:
+                    keys = "".join(child)  # one check for all the keys (JSON's keys are strings)
+                except TypeError:
+                    keys = "\x00"  # not all strings: _enter checks them one by one
+                if "\x00" in keys or not keys.isascii():
+                    _enter(frames, child, key, max_depth)
+                else:
+                    frames.append((iter(child.items()), key))
+                break
+            elif cls is dict or cls is list:
+                _enter(frames, child, key, max_depth)  # raises: too deep
+            elif not (cls is int or cls is bool or child is None):  # subclasses and other objects: the slow way
+                if isinstance(child, dict | list):
+                    _enter(frames, child, key, max_depth)
+                    break
+                _check_leaf(child, _path(frames, key))
+        else:
+            frames.pop()
+
+
+def _enter(
+    frames: list[tuple[Iterator[tuple[Any, Any]], str | int | None]],
+    node: dict[Any, Any] | list[Any],
+    key: str | int | None,
+    max_depth: int,
+) -> None:
+    if len(frames) >= max_depth:  # named by its top-level field: the whole path is as long as the nesting
+        raise JsonValueError(f"nested more than {max_depth} levels deep", path=_path(frames, key)[:1])
+    if isinstance(node, list):
+        frames.append((enumerate(node), key))
+        return
+    try:
+        keys = "".join(node)  # one check for all the keys (JSON's keys are strings)
+    except TypeError:
+        keys = "\x00"  # not all strings: check them one by one
+    if "\x00" in keys or not keys.isascii():
+        for k in node:
+            if isinstance(k, str) and (problem := string_problem(k)):
+                raise JsonValueError(f"a key {problem}", path=_path(frames, key))
+    frames.append((iter(node.items()), key))
+
+
+def _path(frames: list[tuple[Iterator[tuple[Any, Any]], str | int | None]], key: str | int | None) -> Path:
+    """The path of ``key`` in the innermost open frame (or of the frame being opened)."""
+    keys = [k for _, k in frames[1:] if k is not None]  # the root's own key is None
+    return (*keys, key) if key is not None else tuple(keys)
+
+
+def _check_leaf(value: Any, path: Path) -> None:
+    if isinstance(value, str):
+        if problem := string_problem(value):
+            raise JsonValueError(problem, path=path)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise JsonValueError(NOT_FINITE, path=path)
 
 
 def _no_constant(name: str) -> float:
