@@ -44,10 +44,19 @@ class JsonValueError(ValueError):
     for the root itself or a text that does not parse); ``detail`` says what is wrong."""
 
     def __init__(self, detail: str, *, path: Path = ()) -> None:
+        path = tuple(_short(part) for part in path)
         where = format_path(path)
         super().__init__(f"{where}: {detail}" if where else detail)
         self.detail = detail
         self.path = path
+
+
+MAX_KEY_SHOWN = 64
+"""Characters of a key a path shows: an error message stays short whatever the keys of the input."""
+
+
+def _short(part: str | int) -> str | int:
+    return part if isinstance(part, int) or len(part) <= MAX_KEY_SHOWN else part[: MAX_KEY_SHOWN - 1] + "…"
 
 
 def format_path(path: Path) -> str:

@@ -91,3 +91,10 @@ def test_loads_reports_every_problem_as_a_json_value_error(text: str, message: s
 )
 def test_loads_accepts_valid_values_and_parses_them_as_json_does(text: str) -> None:
     assert loads(text) == json.loads(text)
+
+
+def test_long_keys_are_shortened_in_the_path() -> None:
+    with pytest.raises(JsonValueError) as err:
+        check({"k" * 10_000: {"x": "\x00"}})
+    assert err.value.path == ("k" * 63 + "…", "x")
+    assert len(str(err.value)) < 200
