@@ -4,6 +4,10 @@ checkpoints, rollouts, result files, the outcome, and the sweeper's queries.
 The lease is the only thing that decides who runs a job: every claim and renewal is one conditional UPDATE whose
 row count says whether it won, so it is atomic on PostgreSQL and SQLite alike and a redelivered broker message is
 harmless. Functions take a session and never commit: the worker commits at its unit-of-work boundary.
+
+The writes of a running job's progress are idempotent (an event carries the id it was given when it arrived, metrics
+and rollouts replace their step's, a checkpoint row its step's), so that the worker can write a unit of work again
+when it cannot tell whether the database committed it (a connection lost during COMMIT) and nothing is written twice.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -22,6 +26,10 @@ from api.status import CLAIMABLE, LEASED, TERMINAL_STATUSES, WAITING, JobStatus
 
 def _lease_free(at: float) -> Any:
     return or_(Job.lease_owner.is_(None), Job.lease_expires_at.is_(None), Job.lease_expires_at < at)
+
+
+def _enqueued_before(t: float) -> Any:
+    return or_(Job.enqueued_at.is_(None), Job.enqueued_at < t)
 
 
 def claim(session: Session, *, job_id: str, worker_id: str, lease_seconds: float, at: float | None = None) -> bool:
@@ -144,6 +152,17 @@ def forget_after(session: Session, *, job_id: str, step: int) -> None:
     session.execute(delete(Rollout).where(Rollout.job_id == job_id, Rollout.step > step))
 
 
+def _insert_ignoring_duplicates(session: Session, model: type[Any], row: dict[str, Any], key: list[str]) -> None:
+    """INSERT ``row`` unless a row with the same unique ``key`` exists (then nothing is written)."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        session.execute(postgresql.insert(model).values(**row).on_conflict_do_nothing(index_elements=key))
+    elif dialect == "sqlite":
+        session.execute(sqlite.insert(model).values(**row).on_conflict_do_nothing(index_elements=key))
+    elif session.scalars(select(model).filter_by(**{k: row[k] for k in key})).first() is None:
+        session.add(model(**row))
+
+
 def add_event(
     session: Session,
     *,
@@ -152,8 +171,26 @@ def add_event(
     message: str,
     type: str = "message",
     data: dict[str, Any] | None = None,
+    event_id: str | None = None,
+    created_at: int | None = None,
 ) -> None:
-    session.add(JobEvent(id=ids.event_id(), job_id=job_id, level=level, message=message, type=type, data=data))
+    """Record an event. With ``event_id`` (given once, when the event happened) the write is idempotent: an event of
+    that id already recorded is left as it is."""
+    row = {
+        "id": event_id or ids.event_id(),
+        "job_id": job_id,
+        "level": level,
+        "message": message,
+        "type": type,
+        "data": data,
+        "created_at": now() if created_at is None else created_at,
+    }
+    _insert_ignoring_duplicates(session, JobEvent, row, ["id"])
+
+
+def event_exists(session: Session, *, event_id: str) -> bool:
+    """Whether an event of this id is recorded: the mark that a unit of work which wrote it was committed."""
+    return session.scalar(select(JobEvent.seq).where(JobEvent.id == event_id)) is not None
 
 
 def upsert_metrics(session: Session, *, job_id: str, step: int, values: dict[str, Any]) -> None:
@@ -175,6 +212,8 @@ def upsert_metrics(session: Session, *, job_id: str, step: int, values: dict[str
 
 
 def add_rollouts(session: Session, *, job_id: str, step: int, rollouts: list[dict[str, Any]]) -> None:
+    """The step's sampled rollouts, replacing any recorded for that step (a step's rollouts arrive in one piece)."""
+    session.execute(delete(Rollout).where(Rollout.job_id == job_id, Rollout.step == step))
     session.add_all(Rollout(job_id=job_id, step=step, data=r) for r in rollouts)
 
 
@@ -256,6 +295,46 @@ def finish(
     return result.rowcount == 1  # type: ignore[attr-defined]
 
 
+def expired_jobs(session: Session, *, grace_seconds: float, at: float | None = None, limit: int = 100) -> list[str]:
+    """Running jobs whose worker is gone: a lease expired more than ``grace_seconds`` ago (the grace lets a live
+    worker that lost the database for a while renew before anyone else is woken for its job), last enqueued longer
+    ago than that too (one sweep does not pile messages on another), and no cancel or pause requested
+    (:func:`settle_abandoned` ends those)."""
+    at = time.time() if at is None else at
+    q = (
+        select(Job.id)
+        .where(
+            Job.status == JobStatus.RUNNING,
+            _lease_free(at - grace_seconds),
+            _enqueued_before(at - grace_seconds),
+            Job.cancel_requested.is_(False),
+            Job.pause_requested.is_(False),
+        )
+        .order_by(Job.created_at)
+        .limit(limit)
+    )
+    return list(session.scalars(q))
+
+
+def waiting_jobs(session: Session, *, grace_seconds: float, at: float | None = None, limit: int = 100) -> list[str]:
+    """Jobs waiting for a worker (``validating_files`` or ``queued``), held by nobody (or by a dead worker's expired
+    lease), no cancel requested, and enqueued longer ago than ``grace_seconds``, oldest first: the ones whose broker
+    message may be lost. Whether it is lost is for the caller to tell (the sweeper looks in the broker)."""
+    at = time.time() if at is None else at
+    q = (
+        select(Job.id)
+        .where(
+            Job.status.in_(WAITING),
+            _lease_free(at),
+            _enqueued_before(at - grace_seconds),
+            Job.cancel_requested.is_(False),
+        )
+        .order_by(Job.created_at)
+        .limit(limit)
+    )
+    return list(session.scalars(q))
+
+
 def stranded_jobs(
     session: Session,
     *,
@@ -264,21 +343,58 @@ def stranded_jobs(
     at: float | None = None,
     limit: int = 100,
 ) -> list[str]:
-    """Jobs that need a new broker message: running with an expired lease (their worker died), or waiting for a
-    worker (``validating_files`` or ``queued``), held by nobody (or by a dead worker's expired lease), and enqueued
-    longer ago than the grace period (their message may be lost). A job enqueued within its grace period is left
-    alone, so one sweep does not pile messages on another. Paused, cancelled and finished jobs never qualify."""
-    at = time.time() if at is None else at
-
-    def enqueued_before(t: float) -> Any:
-        return or_(Job.enqueued_at.is_(None), Job.enqueued_at < t)
-
-    expired = and_(
-        Job.status == JobStatus.RUNNING, Job.lease_expires_at < at, enqueued_before(at - expired_grace_seconds)
+    """:func:`expired_jobs` and :func:`waiting_jobs` together: every job that may need a new broker message. Paused,
+    cancelled and finished jobs never qualify."""
+    return expired_jobs(session, grace_seconds=expired_grace_seconds, at=at, limit=limit) + waiting_jobs(
+        session, grace_seconds=queued_grace_seconds, at=at, limit=limit
     )
-    lost = and_(Job.status.in_(WAITING), _lease_free(at), enqueued_before(at - queued_grace_seconds))
-    q = select(Job.id).where(or_(expired, lost), Job.cancel_requested.is_(False)).order_by(Job.created_at).limit(limit)
-    return list(session.scalars(q))
+
+
+def settle_abandoned(
+    session: Session, *, grace_seconds: float, at: float | None = None, limit: int = 100
+) -> list[tuple[str, JobStatus]]:
+    """End the running jobs whose worker died (a lease expired more than ``grace_seconds`` ago) after a cancel or a
+    pause was requested, as their worker would have: ``cancelled``, or ``paused`` at the latest stored checkpoint
+    (where a resume continues). Each is one conditional UPDATE, so two sweepers settle a job once; an event says
+    what happened. Returns the jobs settled and the status each ended in."""
+    at = time.time() if at is None else at
+    candidates = session.execute(
+        select(Job.id, Job.cancel_requested)
+        .where(
+            Job.status == JobStatus.RUNNING,
+            _lease_free(at - grace_seconds),
+            or_(Job.cancel_requested.is_(True), Job.pause_requested.is_(True)),
+        )
+        .order_by(Job.created_at)
+        .limit(limit)
+    ).all()
+    settled: list[tuple[str, JobStatus]] = []
+    for job_id, cancel in candidates:
+        status = JobStatus.CANCELLED if cancel else JobStatus.PAUSED
+        values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None}
+        values["estimated_finish"] = None
+        if cancel:
+            values["finished_at"] = now()
+        else:
+            values["pause_requested"] = False  # the request is consumed; resume re-queues the job
+        flag = Job.cancel_requested.is_(True) if cancel else Job.pause_requested.is_(True)
+        result = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == JobStatus.RUNNING, _lease_free(at - grace_seconds), flag)
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+        if result.rowcount != 1:  # type: ignore[attr-defined]
+            continue  # another sweeper settled it, or its worker came back
+        if cancel:
+            message = "The job was cancelled (its worker had stopped)"
+        else:
+            ck = latest_checkpoint(session, job_id=job_id)
+            where = f"its checkpoint at step {ck.step_number}" if ck is not None else "the start: it had no checkpoint"
+            message = f"The job was paused (its worker had stopped): resume continues from {where}"
+        add_event(session, job_id=job_id, level="info", message=message)
+        settled.append((job_id, status))
+    return settled
 
 
 def mark_enqueued(session: Session, *, job_id: str, at: float | None = None) -> None:
