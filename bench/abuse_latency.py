@@ -153,13 +153,19 @@ def chunked_upload(host: str, port: int, key: str | None, total: int, stop: thre
 
 
 def json_attack(base: str, key: str, path: str, body: dict[str, Any], timeout: float) -> Callable[..., dict[str, Any]]:
+    """POSTs ``body`` on one keep-alive connection (a new client only after a timeout): the attacker's own CPU stays
+    small, as it shares the machine with the server."""
     payload = json.dumps(body).encode()
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    client: list[httpx.Client] = []
 
     def send(_: threading.Event) -> dict[str, Any]:
+        if not client:
+            client.append(httpx.Client(base_url=base, timeout=timeout))
         try:
-            r = httpx.post(base + path, content=payload, headers=headers, timeout=timeout)
+            r = client[0].post(path, content=payload, headers=headers)
         except httpx.TimeoutException:
+            client.pop().close()
             return {"status": "client timeout"}
         return {"status": r.status_code}
 
