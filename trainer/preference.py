@@ -17,7 +17,6 @@ full-batch gradient).
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -114,7 +113,7 @@ class PreferenceTrainer(EngineLoop):
         )
         if hp.eval_samples:
             self.val_pairs = self.val_pairs[: hp.eval_samples]
-        self.total_steps = hp.max_steps or hp.n_epochs * math.ceil(len(self.train_pairs) / hp.batch_size)
+        self.total_steps = hp.total_steps(len(self.train_pairs))
 
     # -- state -------------------------------------------------------------------------------------------------
 

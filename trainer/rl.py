@@ -16,7 +16,6 @@ behind ``trainer.generation.RolloutEngine``. Masks: ``Rollout.completion_mask`` 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,10 +70,6 @@ from trainer.rollout import micro_slices
 from trainer.steps import EngineLoop, validation_due
 
 RolloutEngineFactory = Callable[[PeftModel, PreTrainedTokenizerBase], RolloutEngine]
-
-
-def total_steps(hp: RLHyperparameters, n_prompts: int) -> int:
-    return hp.max_steps or hp.n_epochs * math.ceil(n_prompts / hp.batch_size)
 
 
 # -- the loop --------------------------------------------------------------------------------------------------------
@@ -141,7 +136,7 @@ class RLTrainer(EngineLoop):
         )
         if hp.eval_samples:
             self.val_ids, self.val_items = self.val_ids[: hp.eval_samples], self.val_items[: hp.eval_samples]
-        self.total_steps = total_steps(hp, len(self.train_items))
+        self.total_steps = hp.total_steps(len(self.train_items))
 
     def _load_models(self, rollout_engine: RolloutEngineFactory | None) -> None:
         """Policy (base + LoRA), rollout engine, critic and the training engine, in this order (the RNG's)."""

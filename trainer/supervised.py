@@ -13,7 +13,6 @@ Without packing, ``group_by_length`` draws batches of conversations of similar l
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +113,7 @@ class SupervisedTrainer(EngineLoop):
         )
         if hp.eval_samples:
             self.val_examples = self.val_examples[: hp.eval_samples]
-        self.total_steps = hp.max_steps or hp.n_epochs * math.ceil(len(self.train_examples) / hp.batch_size)
+        self.total_steps = hp.total_steps(len(self.train_examples))
 
         self.device = device or default_device()
         self.precision: Precision = resolve_precision(hp.precision, self.device)
