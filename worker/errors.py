@@ -19,6 +19,7 @@ class ErrorCode(StrEnum):
     INVALID_REWARD_MODEL = "invalid_reward_model"  # a reward_model grader's model is gone
     MODEL_NOT_AVAILABLE = "model_not_available"
     OUT_OF_MEMORY = "out_of_memory"
+    STORAGE_FULL = "storage_full"  # the artifact store had no room for a checkpoint or the results
     TRAINER_ERROR = "trainer_error"  # the trainer crashed with an error it has no type for (a trainer bug)
     INTERNAL_ERROR = "internal_error"  # the worker itself failed (a service bug)
 

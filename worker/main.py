@@ -6,7 +6,6 @@ Used by ``proxima worker`` and ``proxima serve``; ``python -m worker.main`` runs
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import socket
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from api.settings import Settings, get_settings
 from worker.celery_app import configure
 from worker.sweeper import QUEUED_GRACE_S, SWEEP_INTERVAL_S, Sweeper
+from worker.tasks import STOP_GRACE_CONF, STOP_GRACE_S  # importing it registers proxima.jobs.run
 
 
 def run_worker(
@@ -23,11 +23,13 @@ def run_worker(
     hostname: str | None = None,
     sweep_interval: float = SWEEP_INTERVAL_S,
     queued_grace_seconds: float = QUEUED_GRACE_S,
+    stop_grace_seconds: float = STOP_GRACE_S,
     loglevel: str = "INFO",
 ) -> None:
-    """Block running a worker (one job at a time per unit of concurrency: one per GPU) until it is shut down."""
+    """Block running a worker (one job at a time per unit of concurrency: one per GPU) until it is shut down.
+    ``stop_grace_seconds``: how long a trainer asked to stop (cancel, pause) has before it is terminated."""
     app = configure(settings)
-    importlib.import_module("worker.tasks")  # registers proxima.jobs.run
+    app.conf.update({STOP_GRACE_CONF: stop_grace_seconds})
 
     if settings.celery_broker_url.startswith("sqla+"):
         # kombu's SQLAlchemy transport creates its tables on first use; the folder of a SQLite file must exist.
@@ -55,6 +57,12 @@ def main() -> None:
     parser.add_argument("--hostname", default=None)
     parser.add_argument("--sweep-interval", type=float, default=SWEEP_INTERVAL_S)
     parser.add_argument("--queued-grace", type=float, default=QUEUED_GRACE_S)
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        default=STOP_GRACE_S,
+        help="seconds a trainer asked to stop (cancel, pause) has before it is terminated, then killed",
+    )
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args()
     logging.basicConfig(level=args.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -64,6 +72,7 @@ def main() -> None:
         hostname=args.hostname,
         sweep_interval=args.sweep_interval,
         queued_grace_seconds=args.queued_grace,
+        stop_grace_seconds=args.stop_grace,
         loglevel=args.loglevel,
     )
 

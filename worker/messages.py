@@ -16,6 +16,9 @@ from worker.errors import ErrorCode
 
 STOP = "stop"
 """The control line asking the trainer to stop after a final checkpoint (cancel or pause), within one step."""
+PARENT_PID_ENV = "PROXIMA_WORKER_PID"
+"""The environment variable giving the trainer its worker's process id (to find out whether the worker died before the
+trainer asked the kernel to be told of it)."""
 
 Level = Literal["info", "warn", "error"]
 
@@ -84,9 +87,11 @@ class Done(_Message):
 
 
 class Error(_Message):
-    """The run ended with one of the trainer's typed errors (an untyped crash sends nothing: the worker reports
-    the exit code and the end of stderr). ``path``, ``line`` and ``detail`` come with a dataset error: the local
-    file, its line and the problem without the location, so the worker can name the user's file instead."""
+    """The run ended with an error: one of the trainer's typed errors (its code and message), or an unexpected one
+    (``trainer_error``, the message naming the exception's class and its first line; the traceback goes to stderr
+    only). ``path``, ``line`` and ``detail`` come with a dataset error: the local file, its line and the problem
+    without the location, so the worker can name the user's file instead. ``step``: the last step whose metrics were
+    sent."""
 
     kind: Literal["error"] = "error"
     code: ErrorCode
@@ -95,6 +100,7 @@ class Error(_Message):
     path: str | None = None
     line: int | None = None
     detail: str | None = None
+    step: int = 0
 
 
 RunnerMessage = Annotated[

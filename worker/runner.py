@@ -10,14 +10,27 @@ streams:
 - stdin carries control: a ``stop`` line asks the trainer to stop after a final checkpoint (cancel, pause, within one
   step); end of file means the parent died, and the trainer exits at once rather than train for nobody.
 
+The trainer also dies with its worker when it cannot read its stdin (a step stuck in native code holding the GIL): on
+Linux it asks the kernel to kill it when its parent dies (``PR_SET_PDEATHSIG``). A worker that does not see the
+trainer stop within its grace period terminates it, then kills it (``worker.trainer_process``).
+
+An unexpected error is reported as ``trainer_error`` with the exception's class and first line; its traceback goes to
+stderr, which the worker writes to its own log, never to the job.
+
 ``RUN_DIR/spec.json`` holds the spec with local paths; ``RUN_DIR/checkpoints/`` may hold the checkpoint to resume.
+
+Test-only: with ``PROXIMA_TEST_TRAINER_HANG_AFTER_STEP=N`` in its environment, the trainer, once step N's metrics
+are sent, ignores SIGTERM and blocks in native code holding the GIL, as a trainer stuck in a step would (the fault
+tests of cancel, pause and a dying worker use it; nothing else sets it).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -31,6 +44,9 @@ from worker.errors import ErrorCode, code_for
 # Exit code of a run that ended with a typed error message (the parent reads the message, not the code).
 EXIT_ERROR = 1
 EXIT_ORPHANED = 3
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+HANG_AFTER_STEP_ENV = "PROXIMA_TEST_TRAINER_HANG_AFTER_STEP"
+SUMMARY_CHARS = 300
 
 
 @functools.cache
@@ -59,6 +75,14 @@ def error_code(err: BaseException) -> ErrorCode | None:
     return code_for(err, trainer_error_codes())
 
 
+def _safe_error_code(err: BaseException) -> ErrorCode | None:
+    """:func:`error_code`, or None when the trainer's modules cannot even be imported (that is the error then)."""
+    try:
+        return error_code(err)
+    except Exception:
+        return None
+
+
 class Pipe:
     """The message channel to the parent (a private copy of the original stdout)."""
 
@@ -79,8 +103,37 @@ class Progress:
     last_step = 0
 
 
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the worker that started it dies (Linux); exit now if it already
+    has. Elsewhere the stdin watcher's end of file is the only signal."""
+    parent = os.environ.get(msg.PARENT_PID_ENV)
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            print(f"prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}", file=sys.stderr)
+    if parent is not None and os.getppid() != int(parent):  # it died before the kernel was asked to tell us
+        os._exit(EXIT_ORPHANED)
+
+
+def _hang_as_if_stuck() -> None:
+    """The test hook's fault: deaf to SIGTERM and blocked in native code that holds the GIL (so no other thread of
+    this process runs either, the stdin watcher included)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        ctypes.PyDLL(None).sleep(3600)  # PyDLL keeps the GIL during the call
+
+
+def summary(err: BaseException) -> str:
+    """An unexpected error in one line: its class and its message's first line, shortened."""
+    first = next(iter(str(err).strip().splitlines()), "")
+    text = f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
+
+
 def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any:
     from trainer.callbacks import BaseCallback, Level
+
+    hang_after = os.environ.get(HANG_AFTER_STEP_ENV)
 
     class ParentCallback(BaseCallback):
         def on_event(self, level: Level, message: str, data: dict[str, Any] | None = None) -> None:
@@ -97,6 +150,8 @@ def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any
             pipe.send(msg.Checkpoint(step=step, path=str(path), metrics=dict(metrics)))
 
         def should_stop(self) -> bool:
+            if hang_after is not None and progress.last_step >= int(hang_after):
+                _hang_as_if_stuck()
             return stop.is_set()
 
     return ParentCallback()
@@ -113,6 +168,7 @@ def _watch_stdin(stop: threading.Event, pipe: Pipe, progress: Progress) -> None:
 
 
 def main(run_dir: Path) -> int:
+    die_with_parent()
     # Messages get a private copy of stdout; fd 1 then points at stderr so stray prints cannot corrupt them.
     pipe = Pipe(os.fdopen(os.dup(1), "w", encoding="utf-8"))
     os.dup2(2, 1)
@@ -139,8 +195,10 @@ def main(run_dir: Path) -> int:
     except BaseException as err:
         traceback.print_exc()
         sys.stderr.flush()
-        code = error_code(err)
-        if code is not None:
+        code = _safe_error_code(err)
+        if code is None:  # not one of the trainer's typed errors: a bug, or a value the trainer did not expect
+            pipe.send(msg.Error(code=ErrorCode.TRAINER_ERROR, message=summary(err), step=progress.last_step))
+        else:
             pipe.send(
                 msg.Error(
                     code=code,
@@ -149,6 +207,7 @@ def main(run_dir: Path) -> int:
                     path=getattr(err, "path", None),
                     line=getattr(err, "line", None),
                     detail=getattr(err, "detail", None),
+                    step=progress.last_step,
                 )
             )
         return EXIT_ERROR

@@ -1,41 +1,66 @@
-"""The sweeper: re-enqueues jobs the broker no longer holds a message for.
+"""The sweeper: finishes what dead workers left, re-enqueues jobs the broker no longer holds a message for, and
+cleans the artifact store now and then.
 
-The database is the truth and a broker message only a wake-up call (design §1), so every worker runs a sweeper thread
-that sends a new message for (a) running jobs whose lease expired (their worker died, and its unacknowledged
-message may not come back for an hour) and (b) queued jobs nobody holds whose last message is older than a grace
-period (the broker may have lost it). A job re-enqueued twice is harmless: the lease lets one worker run it.
+The database is the truth and a broker message only a wake-up call (design §1), so every worker runs a sweeper
+thread that, every ``interval`` seconds:
+
+1. ends the running jobs whose worker died after a cancel or a pause was asked for (``runs.settle_abandoned``):
+   nobody would ever act on the request otherwise, since no worker claims a job with a cancel pending;
+2. sends a new message for running jobs whose lease expired a while ago (their worker died, and its unacknowledged
+   message may not come back for an hour);
+3. sends a new message for jobs waiting for a worker (``validating_files``, ``queued``) enqueued longer ago than a
+   grace period whose message the broker no longer holds (``worker.broker``): lost with a broker restart, or never
+   sent. A job that merely waits behind busy workers keeps its one message and its place in the queue. Where the
+   broker's contents cannot be read, a job waiting past the grace period is re-sent (at most once a grace period);
+4. every ``cleanup_every`` seconds, removes the artifact store's orphans (``api.services.cleanup``).
+
+A job re-enqueued twice is harmless: the lease lets one worker run it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from celery import Celery
 
 from api.db import session_scope
 from api.repositories import runs
+from api.services.cleanup import clean_orphans
 from api.settings import Settings
+from api.storage import store_from_url
 from api.tasks import RUN_JOB
+from worker.broker import held_job_ids
 
 log = logging.getLogger("proxima.sweeper")
 
 SWEEP_INTERVAL_S = 5.0
 QUEUED_GRACE_S = 30.0
+CLEANUP_INTERVAL_S = 600.0
 
 
 def sweep_once(app: Celery, settings: Settings, *, queued_grace_seconds: float = QUEUED_GRACE_S) -> list[str]:
-    """Re-enqueue every stranded job once; returns their ids."""
-    sent = []
+    """One round of steps 1-3; returns the ids of the jobs it sent a message for."""
     with session_scope(settings.db_url) as s:
-        stranded = runs.stranded_jobs(
-            s, expired_grace_seconds=settings.lease_seconds, queued_grace_seconds=queued_grace_seconds
-        )
-    for job_id in stranded:
+        for job_id, status in runs.settle_abandoned(s, grace_seconds=settings.lease_seconds):
+            log.info("job %s: its worker died after a stop was requested; ended %s", job_id, status)
+    try:  # read before the jobs: a message taken in between belongs to a job claimed by the time they are read
+        held = held_job_ids(app, reserved_grace_s=queued_grace_seconds)
+    except Exception:
+        log.warning("could not read the broker's queue; re-sending every waiting job", exc_info=True)
+        held = None
+    with session_scope(settings.db_url) as s:
+        expired = runs.expired_jobs(s, grace_seconds=settings.lease_seconds)
+        waiting = runs.waiting_jobs(s, grace_seconds=queued_grace_seconds)
+    lost = [job_id for job_id in waiting if held is None or job_id not in held]
+    sent = []
+    for job_id in expired + lost:
         app.send_task(RUN_JOB, args=[job_id])
         with session_scope(settings.db_url) as s:
             runs.mark_enqueued(s, job_id=job_id)
-        log.info("re-enqueued stranded job %s", job_id)
+        why = "its worker died" if job_id in expired else "its message was lost"
+        log.info("re-enqueued job %s: %s", job_id, why)
         sent.append(job_id)
     return sent
 
@@ -48,18 +73,31 @@ class Sweeper(threading.Thread):
         *,
         interval: float = SWEEP_INTERVAL_S,
         queued_grace_seconds: float = QUEUED_GRACE_S,
+        cleanup_every: float = CLEANUP_INTERVAL_S,
     ) -> None:
         super().__init__(daemon=True, name="proxima-sweeper")
         self.app, self.settings = app, settings
         self.interval, self.queued_grace_seconds = interval, queued_grace_seconds
+        self.cleanup_every = cleanup_every
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        next_cleanup = time.monotonic() + self.cleanup_every
         while not self.stopped.wait(self.interval):
             try:
                 sweep_once(self.app, self.settings, queued_grace_seconds=self.queued_grace_seconds)
             except Exception:  # a database or broker hiccup: try again next round
                 log.warning("sweep failed", exc_info=True)
+            if time.monotonic() >= next_cleanup:
+                next_cleanup = time.monotonic() + self.cleanup_every
+                self.clean_store()
+
+    def clean_store(self) -> None:
+        try:
+            store = store_from_url(self.settings.artifacts_url, endpoint_url=self.settings.s3_endpoint_url)
+            clean_orphans(url=self.settings.db_url, store=store)
+        except Exception:
+            log.warning("artifact store clean-up failed", exc_info=True)
 
     def stop(self) -> None:
         self.stopped.set()

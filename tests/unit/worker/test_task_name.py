@@ -29,7 +29,10 @@ def test_the_sweeper_enqueues_by_that_name(monkeypatch: Any) -> None:
             pass
 
     monkeypatch.setattr(sweeper, "session_scope", lambda url: Session())
-    monkeypatch.setattr(sweeper.runs, "stranded_jobs", lambda s, **kw: ["ftjob-a"])
+    monkeypatch.setattr(sweeper, "held_job_ids", lambda app, **kw: set())
+    monkeypatch.setattr(sweeper.runs, "settle_abandoned", lambda s, **kw: [])
+    monkeypatch.setattr(sweeper.runs, "expired_jobs", lambda s, **kw: [])
+    monkeypatch.setattr(sweeper.runs, "waiting_jobs", lambda s, **kw: ["ftjob-a"])
     monkeypatch.setattr(sweeper.runs, "mark_enqueued", lambda s, job_id: None)
 
     class Settings:
