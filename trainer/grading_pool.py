@@ -105,11 +105,14 @@ class GradingProcess:
         self.ready = False
 
     def wait_ready(self, timeout_s: float) -> None:
-        reply = self.receive(timeout_s)
+        try:
+            reply = self.receive(timeout_s)
+        except _Exited:
+            reply = {}
         if reply != {"ready": True}:
+            problem = "did not start in time" if reply is None else f"{self.describe_exit()} as it started"
             self.kill()
-            problem = "did not start in time" if reply is None else "did not start"
-            raise GradingUnavailable(f"a grading process {problem} (exit code {self._proc.poll()})")
+            raise GradingUnavailable(f"a grading process {problem}")
         self.ready = True
 
     def send(self, message: Mapping[str, Any]) -> None:
@@ -148,8 +151,11 @@ class GradingProcess:
         return self._proc.poll() is None
 
     def describe_exit(self) -> str:
-        code = self._proc.poll()
-        return "was stopped" if code is None else f"exited with code {code}"
+        """How the process ended, once its output has closed (it may take a moment to be reaped)."""
+        try:
+            return f"exited with code {self._proc.wait(timeout=1.0)}"
+        except subprocess.TimeoutExpired:
+            return "closed its output"
 
     def kill(self) -> None:
         if self._proc.poll() is None:
@@ -175,9 +181,9 @@ class _Slot:
         if not self._process.ready:
             try:
                 self._process.wait_ready(startup_timeout_s)
-            except _Exited:
-                self.discard(restart=False)
-                raise GradingUnavailable("a grading process exited as it started") from None
+            except GradingUnavailable:
+                self._process = None  # killed; the next batch tries a new one
+                raise
         return self._process
 
     def discard(self, *, restart: bool = True) -> None:
@@ -246,6 +252,8 @@ class GradingPool:
                 process = slot.process(self.startup_timeout_s)
                 try:
                     validated, stop = self._run_on(process, grader, encoded[len(results) :], limit, results, seconds)
+                except graders.GraderError:
+                    raise  # the process answered it and waits for the next batch
                 except BaseException:
                     slot.discard()  # a batch left half read: its process may still be answering it
                     raise

@@ -37,9 +37,9 @@ class _Grading:
     """The API process's grading pool, made on first use, and the threads that wait on it (one per process, so that
     no request thread of the API waits on a grader)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: GradingPool | None = None) -> None:
         self._lock = threading.Lock()
-        self._pool: GradingPool | None = None
+        self._pool = pool
         self._waiters: ThreadPoolExecutor | None = None
         self._in_flight = 0
 
