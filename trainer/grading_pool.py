@@ -392,10 +392,13 @@ def serve() -> None:
         channel.write(json.dumps(message).encode() + b"\n")
         channel.flush()
 
-    reply({"ready": True})
-    for line in sys.stdin.buffer:
-        request = json.loads(line)
-        _serve_batch(request["grader"], request["samples"], reply)
+    try:
+        reply({"ready": True})
+        for line in sys.stdin.buffer:
+            request = json.loads(line)
+            _serve_batch(request["grader"], request["samples"], reply)
+    except BrokenPipeError:  # the parent has gone (killed, say) while a sample was graded: nobody to answer
+        pass
 
 
 def _limit_memory() -> None:
