@@ -95,9 +95,12 @@ class GradingProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         # A session of its own: a Ctrl-C meant for the service does not reach it (it exits when its stdin closes).
-        self._proc = subprocess.Popen(
-            list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True
-        )
+        try:
+            self._proc = subprocess.Popen(
+                list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True
+            )
+        except OSError as err:
+            raise GradingUnavailable(f"a grading process could not be started ({err})") from None
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin: IO[bytes] = self._proc.stdin
         self._stdout = self._proc.stdout.fileno()
@@ -218,18 +221,17 @@ class GradingPool:
     @contextmanager
     def _slot(self) -> Iterator[_Slot]:
         with self._lock:
-            if self._closed:
-                raise GradingUnavailable("the grading pool is closed")
-            if len(self._slots) < self.size:  # processes start on first use, not when the pool is made
+            if not self._closed and len(self._slots) < self.size:  # processes start on first use
                 self._slots.append(_Slot(self._command))
                 self._idle.put(self._slots[-1])
         slot = self._idle.get()
         try:
+            if self._closed:
+                raise GradingUnavailable("the grading pool is closed")
             yield slot
         finally:
-            with self._lock:
-                if self._closed:
-                    slot.discard(restart=False)
+            if self._closed:
+                slot.discard(restart=False)
             self._idle.put(slot)
 
     def run(
@@ -301,12 +303,19 @@ class GradingPool:
         return validated, None
 
     def close(self) -> None:
-        """Kill the idle processes; a process grading a batch is killed when its batch ends."""
+        """Kill the idle processes; a process grading a batch is killed when its batch ends. A `run` after this, or
+        waiting for a process, raises GradingUnavailable."""
         with self._lock:
             self._closed = True
-            slots = list(self._slots)
-        for slot in slots:
+        idle: list[_Slot] = []
+        while True:
+            try:
+                idle.append(self._idle.get_nowait())
+            except queue.Empty:
+                break
+        for slot in idle:
             slot.discard(restart=False)
+            self._idle.put(slot)  # wakes a run waiting for it, which then sees the pool closed
 
 
 def _next_result(process: GradingProcess, limit: float) -> tuple[graders.GradeResult, str | None]:

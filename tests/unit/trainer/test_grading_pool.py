@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -121,6 +122,17 @@ class TestHardTimeLimit:
         kinds = [r.errors[0].kind for r in batch.results]
         assert kinds == ["timeout"] * 5
         assert [str(r.errors[0]).startswith("not graded: 2 samples") for r in batch.results] == [False] * 2 + [True] * 3
+
+    def test_close_lets_the_batch_in_flight_finish_and_refuses_new_ones(self, misbehaving: GradingPool) -> None:
+        with ThreadPoolExecutor(1) as other:
+            running = other.submit(
+                misbehaving.run, EXACT, [Sample("hang", {"answer": "4"}), Sample("4", {"answer": "4"})]
+            )
+            time.sleep(0.5)
+            misbehaving.close()
+            assert [r.score for r in running.result().results] == [0.0, 1.0]
+        with pytest.raises(GradingUnavailable, match="the grading pool is closed"):
+            misbehaving.run(EXACT, SAMPLES)
 
     def test_a_grader_that_takes_too_long_to_validate_is_a_grading_timeout(self) -> None:
         silent = [sys.executable, "-c", "import time; print('{\"ready\": true}', flush=True); time.sleep(60)"]
