@@ -13,6 +13,10 @@ raise: they are listed in `GradeResult.errors`, each a `GradeError` that says it
 A `reward_model` grader needs a model, so this module does not score it: `trainer.evaluate.grade_batch` scores
 every reward-model leaf of a batch in batched forward passes (`trainer.reward_model`) and hands the scores to
 `grade` as `model_scores`; `grade` without them raises `GraderError`.
+
+Graders are user input, parsed on the API's request threads: parsing is linear in the grader's size and the size is
+capped (the MAX_* bounds below, each a `GraderError` naming the field), regular expressions run on RE2 (linear-time
+matching), and `grade` itself runs in a grading process with a hard time limit per sample (`trainer.grading_pool`).
 """
 
 import ast
