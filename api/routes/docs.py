@@ -4,7 +4,8 @@ The dashboard keeps the API key in this origin's localStorage, so no page here m
 FastAPI's own pages load unpinned scripts from a CDN and start Swagger UI from an inline script; these pages load
 the scripts and styles the pinned ``fastapi-offline`` wheel ships (``ASSETS``, served at ``/docs/assets/``), start
 Swagger UI from ``/docs/swagger-init.js`` (no inline script), and their policy lets them load nothing from another
-origin. Styles may be inline: both renderers set them from script, and a style cannot read the key.
+origin. Styles may be inline: both renderers set them from script, and a style cannot read the key. (ReDoc's
+bundle always asks its CDN for its logo image; the policy blocks it, and the page renders without it.)
 """
 
 from __future__ import annotations
