@@ -200,7 +200,11 @@ class TestBodiesAreBounded:
             assert uploaded.status_code == 200, uploaded.text
             assert uploaded.json()["bytes"] == len(content)
             # A chunked JSON body within the limit (no declared length) is read whole.
-            spec = {"model": "tiny-arith", "training_file": uploaded.json()["id"], "method": {"type": "supervised", "supervised": {}}}
+            spec = {
+                "model": "tiny-arith",
+                "training_file": uploaded.json()["id"],
+                "method": {"type": "supervised", "supervised": {}},
+            }
             response = api.post(
                 "/v1/fine_tuning/jobs",
                 content=iter([json.dumps(spec).encode()]),
