@@ -467,7 +467,7 @@ def _compile_pattern(pattern: str, flags: tuple[str, ...]) -> Any:
 
 
 class _GraderBase(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
 

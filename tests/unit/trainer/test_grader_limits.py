@@ -235,3 +235,11 @@ def test_every_error_kind_has_a_name_the_pool_and_the_api_know() -> None:
     from typing import get_args
 
     assert set(get_args(graders.GradeErrorKind)) == {"invalid_variable", "formula", "timeout", "other"}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_number_in_a_grader_is_refused_naming_the_field(bad: float) -> None:
+    # YAML's .nan/.inf reach the grader models through `proxima train` without the API's JSON check
+    raw = {"type": "numeric_match", "name": "n", "input": "{{sample.output_text}}", "reference": "1", "tolerance": bad}
+    with pytest.raises(GraderError, match="tolerance"):
+        parse_grader(raw)
