@@ -32,6 +32,7 @@ from api.settings import Settings
 from api.storage import store_from_url
 from api.tasks import RUN_JOB
 from worker.broker import held_job_ids
+from worker.outbox import is_transient
 
 log = logging.getLogger("proxima.sweeper")
 
@@ -86,8 +87,11 @@ class Sweeper(threading.Thread):
         while not self.stopped.wait(self.interval):
             try:
                 sweep_once(self.app, self.settings, queued_grace_seconds=self.queued_grace_seconds)
-            except Exception:  # a database or broker hiccup: try again next round
-                log.warning("sweep failed", exc_info=True)
+            except Exception as err:  # a database or broker hiccup: try again next round
+                if is_transient(err):
+                    log.warning("sweep skipped: the database is unavailable (%s)", type(err).__name__)
+                else:
+                    log.warning("sweep failed", exc_info=True)
             if time.monotonic() >= next_cleanup:
                 next_cleanup = time.monotonic() + self.cleanup_every
                 self.clean_store()
