@@ -18,6 +18,9 @@ router = APIRouter(prefix="/v1/files", tags=["files"])
 
 CHUNK_BYTES = 1 << 20
 
+# A list's cursor: the id of the last object of the previous page (an empty one names no object: a 400).
+AfterCursor = Annotated[str | None, Query(min_length=1, description="the id of the last object of the previous page")]
+
 
 def stream(fh: BinaryIO) -> Iterator[bytes]:
     """Yield a stored object in chunks, closing it at the end (or when the client goes away)."""
@@ -59,7 +62,7 @@ def create_file(
 def list_files(
     session: SessionDep,
     tenant: TenantDep,
-    after: str | None = None,
+    after: AfterCursor = None,
     limit: Annotated[int, Query(ge=1, le=files_service.MAX_LIST_LIMIT)] = files_service.MAX_LIST_LIMIT,
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,

@@ -13,7 +13,7 @@ from sqlalchemy import Connection
 from api.auth import Caller
 from api.deps import SessionDep, SettingsDep, StoreDep, TenantDep, read_only
 from api.errors import InvalidRequest, responses
-from api.routes.files import attachment, stream
+from api.routes.files import AfterCursor, attachment, stream
 from api.schemas import (
     CheckpointObject,
     CursorListObject,
@@ -54,7 +54,7 @@ def list_jobs(
     request: Request,
     session: SessionDep,
     tenant: TenantDep,
-    after: str | None = None,
+    after: AfterCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> ListObject[FineTuningJob]:
     metadata, metadata_null = metadata_filter(request)
@@ -112,7 +112,7 @@ def list_events(
     fine_tuning_job_id: str,
     session: SessionDep,
     tenant: TenantDep,
-    after: str | None = None,
+    after: AfterCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> ListObject[JobEventObject]:
     rows, has_more = jobs_service.events(
@@ -130,7 +130,7 @@ def list_checkpoints(
     fine_tuning_job_id: str,
     session: SessionDep,
     tenant: TenantDep,
-    after: str | None = None,
+    after: AfterCursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 10,
 ) -> CursorListObject[CheckpointObject]:
     job, rows, has_more = jobs_service.checkpoints(
