@@ -269,3 +269,23 @@ def test_time_limits_are_set_on_every_connection(cluster: PostgresCluster) -> No
         assert conn.execute(text("SHOW statement_timeout")).scalar() == "2s"
         params = conn.connection.dbapi_connection.info.dsn_parameters  # type: ignore[union-attr]
         assert (params["connect_timeout"], params["tcp_user_timeout"]) == ("2", "3000")
+
+
+def test_long_statements_need_the_engine_without_timeouts(cluster: PostgresCluster) -> None:
+    """Migrations on a large database may rightly run past the limits: ``engine_without_timeouts`` lifts the
+    statement and socket timeouts (and only there)."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    from api.db import engine_for, engine_without_timeouts
+    from api.errors import database_unavailable
+
+    tuned = cluster.url("proxima", **LIMITS)
+    with pytest.raises(OperationalError) as cancelled, engine_for(tuned).connect() as conn:
+        conn.execute(text("SELECT pg_sleep(3.5)"))  # past the statement (2 s) and the socket (3 s) timeouts
+    assert database_unavailable(cancelled.value)  # the API's 503
+    engine = engine_without_timeouts(tuned)
+    with engine.connect() as conn:
+        assert conn.execute(text("SHOW statement_timeout")).scalar() == "0"
+        conn.execute(text("SELECT pg_sleep(3.5)"))
+    engine.dispose()
