@@ -91,6 +91,7 @@ ERROR_DESCRIPTIONS = {
     404: "No such object (another tenant's object is not found either)",
     409: "The object's state does not allow this",
     413: "The request body is over its size limit",
+    429: "Too many requests in flight (grader dry-runs): retry after `Retry-After` seconds, or later",
     503: "A backend (database or artifact store) is unavailable or too slow: retry after `Retry-After` seconds",
     507: "The artifact store is full: nothing was stored",
 }
@@ -189,7 +190,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "form")]
+        # FastAPI puts where the value came from first ("body", "query", ...); only that element is not the field's
+        # path (a metadata key may itself be called "body").
+        loc = [str(p) for p in first.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path", "form", "header", "cookie"):
+            loc = loc[1:]
         param = ".".join(loc) or None
         msg = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid request")
         return error_json(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param=param)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 
 from api import orm  # noqa: F401  (registers the tables on Base.metadata)
-from api.db import Base, engine_for
+from api.db import Base, engine_without_timeouts
 from api.settings import get_settings
 
 config = context.config
@@ -19,7 +19,8 @@ def run_offline() -> None:
 
 
 def run_online() -> None:
-    with engine_for(url).connect() as connection:
+    # no statement or socket time limit: a migration on a large table may rightly take minutes
+    with engine_without_timeouts(url).connect() as connection:
         # render_as_batch: SQLite cannot ALTER most things; batch mode copies the table instead.
         context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True)
         with context.begin_transaction():

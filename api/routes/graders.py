@@ -8,17 +8,20 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from api.deps import TenantDep
+from api.errors import responses
 from api.schemas import GraderRunRequest, GraderRunResponse, GraderValidateRequest, GraderValidateResponse
 from api.services import graders as graders_service
 
 router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["graders"])
 
 
-@router.post("/run", response_model=GraderRunResponse, summary="Score one sample with a grader")
+@router.post(
+    "/run", response_model=GraderRunResponse, responses=responses(429), summary="Score one sample with a grader"
+)
 async def run_grader(body: GraderRunRequest, tenant: TenantDep) -> GraderRunResponse:
     return await graders_service.run(grader=body.grader, model_sample=body.model_sample, item=body.item)
 
 
-@router.post("/validate", response_model=GraderValidateResponse, summary="Check a grader")
+@router.post("/validate", response_model=GraderValidateResponse, responses=responses(429), summary="Check a grader")
 async def validate_grader(body: GraderValidateRequest, tenant: TenantDep) -> GraderValidateResponse:
     return GraderValidateResponse(grader=await graders_service.validate(grader=body.grader))

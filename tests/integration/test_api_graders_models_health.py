@@ -145,7 +145,7 @@ class TestHealth:
     def test_healthz_and_readyz_are_ok(self, anon: httpx.Client) -> None:
         assert anon.get("/healthz").json() == {"status": "ok", "checks": {}}
         ready = anon.get("/readyz")
-        assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "broker": "ok"}
+        assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "broker": "ok", "store": "ok"}
 
     @pytest.mark.parametrize("broken", ["database", "broker"])
     def test_readyz_is_503_with_the_envelope_when_a_backend_is_down(self, settings: Any, broken: str) -> None:

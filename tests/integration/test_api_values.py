@@ -66,6 +66,13 @@ class TestStrings:
         assert made.status_code == 200, made.text
         assert [j["id"] for j in api.get(JOBS, params={f"metadata[{key}]": "a"}).json()["data"]] == [made.json()["id"]]
 
+    @pytest.mark.parametrize("key", ["body", "query"])
+    def test_a_metadata_key_named_like_a_request_part_stays_in_the_param(
+        self, api: httpx.Client, training_file: str, key: str
+    ) -> None:
+        r = post_json(api, JOBS, job_body(training_file, metadata={key: "a\x00b"}))
+        assert_error(r, 400, param=f"metadata.{key}", message_contains="NUL")
+
     def test_lone_surrogate_in_metadata_is_a_400_with_nothing_committed_and_the_list_still_works(
         self, api: httpx.Client, training_file: str, nothing_stored: Callable[[], None]
     ) -> None:
