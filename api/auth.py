@@ -32,7 +32,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from api import ids
-from api.db import engine_for
+from api.db import SOCKET_TIMEOUT_MS, engine_for
 from api.orm import ApiKey, Tenant, now
 
 log = logging.getLogger("proxima.api.auth")
@@ -138,6 +138,7 @@ LISTEN_RETRY_SECONDS = 1.0
 # KEY_CACHE_SECONDS anyway.
 _LISTEN_CONNECT_ARGS = {
     "connect_timeout": 5,
+    "tcp_user_timeout": SOCKET_TIMEOUT_MS,  # built from the URL alone, so api.db's defaults are not applied
     "keepalives": 1,
     "keepalives_idle": 5,
     "keepalives_interval": 2,

@@ -23,7 +23,7 @@ from api.auth import Caller, cached_tenant, lookup_tenant, tenant_exists
 from api.db import pool_capacity, read, session_scope
 from api.errors import Unauthorized
 from api.settings import Settings
-from api.storage import ArtifactStore, store_from_url
+from api.storage import ArtifactStore, StorageError, store_from_url
 
 
 async def app_settings(request: Request) -> Settings:
@@ -152,7 +152,10 @@ async def read_only(url: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
 
 @lru_cache
 def _store(url: str, endpoint_url: str | None) -> ArtifactStore:
-    return store_from_url(url, endpoint_url=endpoint_url)
+    try:
+        return store_from_url(url, endpoint_url=endpoint_url)
+    except OSError as err:  # the folder cannot be made (a file in its place, no permission): a 503, not a 500
+        raise StorageError(f"the artifact store at {url!r} cannot be opened: {err}") from err
 
 
 async def get_store(settings: SettingsDep) -> ArtifactStore:  # async: no I/O, so no trip through a thread

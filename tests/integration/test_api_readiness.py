@@ -51,3 +51,21 @@ def test_readyz_checks_every_backend(anon: Any) -> None:
     response = anon.get("/readyz")
     assert response.status_code == 200, response.text
     assert response.json() == {"status": "ok", "checks": {"database": "ok", "broker": "ok", "store": "ok"}}
+
+
+@pytest.mark.expected_5xx(503)
+def test_a_store_that_cannot_be_opened_is_a_503_on_the_routes_that_need_it(
+    settings: Any, tenant_a: Any, tmp_path: Path
+) -> None:
+    from api.app import create_app
+
+    with TestClient(create_app(broken(settings, "store", tmp_path)), raise_server_exceptions=False) as client:
+        response = client.post(
+            "/v1/files",
+            headers={"authorization": f"Bearer {tenant_a.key}"},
+            files={"file": ("d.jsonl", b'{"prompt": "x"}\n')},
+            data={"purpose": "fine-tune"},
+        )
+        error = assert_error(response, 503)
+        assert str(tmp_path) not in error["message"]
+        assert response.headers["retry-after"].isdigit()
