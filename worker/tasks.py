@@ -72,7 +72,7 @@ T = TypeVar("T")
 TRAINING_COPY, VALIDATION_COPY = "train.jsonl", "validation.jsonl"  # file names in the run folder's data/
 CONTROL_POLL_S = 1.0  # how often the database is read for cancel and pause requests
 STDERR_TAIL_LINES = 60  # of a failed trainer's output, written to the worker's log
-STOP_GRACE_S = 120.0
+STOP_GRACE_S = 60.0
 """Default of ``--stop-grace``: how long a trainer asked to stop (cancel, pause) has before it is terminated."""
 STOP_GRACE_CONF = "proxima_stop_grace_seconds"  # the Celery app's setting that carries the worker's --stop-grace
 OOM_RETRIES = 1
