@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import BinaryIO, Literal
 
 from sqlalchemy.orm import Session
 
 from api import ids
 from api.auth import Caller
-from api.errors import InvalidRequest, NotFound, PayloadTooLarge
+from api.errors import InvalidRequest, NotFound, PayloadTooLarge, Unavailable
+from api.line_check import CheckerUnavailable, LineError, UploadChecker
 from api.orm import File, now
 from api.repositories import files as files_repo
 from api.schemas import FILE_PURPOSES
@@ -31,50 +31,7 @@ def storage_key(*, tenant_id: str, file_id: str) -> str:
     return f"files/{tenant_id}/{file_id}.jsonl"
 
 
-@dataclass
-class _LineChecker:
-    """Splits a byte stream into lines across chunk boundaries and checks each non-blank line is a JSON object."""
-
-    lines: int = 0  # non-blank lines seen
-    _number: int = 0  # physical line number, for messages
-    _rest: bytes = b""
-
-    def feed(self, chunk: bytes) -> None:
-        data = self._rest + chunk
-        *complete, self._rest = data.split(b"\n")
-        for raw in complete:
-            self._line(raw)
-
-    def close(self) -> None:
-        if self._rest:
-            self._line(self._rest)
-            self._rest = b""
-        if not self.lines:
-            raise InvalidRequest(
-                "the file is empty: expected one JSON object per line", param="file", code="invalid_file"
-            )
-
-    def _line(self, raw: bytes) -> None:
-        self._number += 1
-        n = self._number
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidRequest(f"line {n}: not valid UTF-8", param="file", code="invalid_file") from None
-        if not text.strip():
-            return
-        try:
-            obj = json_values.loads(text)
-        except json_values.JsonValueError as err:
-            raise InvalidRequest(f"line {n}: {err}", param="file", code="invalid_file") from None
-        if not isinstance(obj, dict):
-            raise InvalidRequest(
-                f"line {n}: expected a JSON object, got {type(obj).__name__}", param="file", code="invalid_file"
-            )
-        self.lines += 1
-
-
-def _checked(source: BinaryIO, checker: _LineChecker) -> Iterator[bytes]:
+def _checked(source: BinaryIO, checker: UploadChecker) -> Iterator[bytes]:
     while chunk := source.read(CHUNK_BYTES):
         checker.feed(chunk)
         yield chunk
@@ -106,13 +63,20 @@ def upload(
         raise InvalidRequest(f"the file name {problem}", param="file", code="invalid_file")
     file_id = ids.file_id()
     key = storage_key(tenant_id=tenant.id, file_id=file_id)
-    checker = _LineChecker()
+    checker = UploadChecker()
     try:
         size = store.put_stream(key, _checked(source, checker), max_bytes=max_bytes)
     except TooLarge:
         raise PayloadTooLarge(
             f"the file exceeds the upload limit of {max_bytes} bytes", param="file", code="file_too_large"
         ) from None
+    except LineError as err:
+        raise InvalidRequest(str(err), param="file", code="invalid_file") from None
+    except CheckerUnavailable as err:
+        log.warning("upload not stored: %s", err)
+        raise Unavailable("the file could not be checked right now: retry later", code="checker_unavailable") from None
+    finally:
+        checker.abort()  # a no-op once the checker has answered
     row = File(
         id=file_id,
         tenant_id=tenant.id,

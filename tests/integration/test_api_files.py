@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.integration.conftest import MAX_UPLOAD_BYTES, Tenant, assert_error, jsonl, prompts, upload
 
@@ -84,27 +85,55 @@ class TestUpload:
         assert r.json()["lines"] == n + 1
 
 
-def test_line_checker_joins_lines_split_across_chunks() -> None:
-    from api.errors import InvalidRequest
-    from api.services.files import _LineChecker
+@pytest.mark.parametrize("in_process_bytes", [1 << 20, 0, 20])  # all here; all in the child; handed over mid-line
+def test_line_checker_joins_lines_split_across_chunks(in_process_bytes: int) -> None:
+    from api.line_check import LineError, UploadChecker
 
     content = jsonl(prompts(3)) + b"\n" + b'{"prompt": "a"}'
-    checker = _LineChecker()
-    for i in range(len(content)):
-        checker.feed(content[i : i + 1])
+    checker = UploadChecker(in_process_bytes=in_process_bytes)
+    for i in range(0, len(content), 3):
+        checker.feed(content[i : i + 3])
     checker.close()
     assert checker.lines == 4
 
-    checker = _LineChecker()
-    bad = jsonl(prompts(2)) + b"[]\n"
-    try:
+    checker = UploadChecker(in_process_bytes=in_process_bytes)
+    bad = jsonl(prompts(2)) + b"\n[]\n" + jsonl(prompts(2))
+    with pytest.raises(LineError, match=r"^line 4: expected a JSON object"):
         for i in range(0, len(bad), 7):
             checker.feed(bad[i : i + 7])
         checker.close()
-    except InvalidRequest as err:
-        assert err.message.startswith("line 3:")
-    else:
-        raise AssertionError("a non-object line was accepted")
+    checker.abort()
+
+    checker = UploadChecker(in_process_bytes=in_process_bytes)
+    checker.feed(b"\n \n")
+    with pytest.raises(LineError, match="empty"):
+        checker.close()
+
+
+def test_a_large_upload_is_checked_outside_the_api_process_with_the_same_outcome(
+    api: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the first MiB the lines are checked by a child process (so the GIL stays free for other requests): a bad
+    line there is still a 400 naming it, and a good file's count is exact. The test's server runs in this process, so
+    its hand-over point is lowered to 1,000 bytes here (uploads are capped at 64 KiB in these tests)."""
+    from api import line_check
+
+    started = []
+    start = line_check._start
+
+    def counted(state: Any) -> Any:
+        started.append(state.number)
+        return start(state)
+
+    monkeypatch.setattr(line_check, "IN_PROCESS_BYTES", 1000)
+    monkeypatch.setattr(line_check, "_start", counted)
+    line = json.dumps({"prompt": "p" * 200}).encode() + b"\n"
+    n = (MAX_UPLOAD_BYTES - 64) // len(line)
+    r = upload(api, line * n)
+    assert r.status_code == 200 and r.json()["lines"] == n, r.text
+    bad = line * (n - 2) + b"[1]\n" + line
+    assert_error(upload(api, bad), 400, param="file", message_contains=f"line {n - 1}: expected a JSON object")
+    assert len(started) == 2 and 0 < started[0] < n  # each upload handed over to a child after its first lines
 
 
 class TestListRetrieveDelete:
