@@ -19,9 +19,10 @@ stderr, which the worker writes to its own log, never to the job.
 
 ``RUN_DIR/spec.json`` holds the spec with local paths; ``RUN_DIR/checkpoints/`` may hold the checkpoint to resume.
 
-Test-only: with ``PROXIMA_TEST_TRAINER_HANG_AFTER_STEP=N`` in its environment, the trainer, once step N's metrics
-are sent, ignores SIGTERM and blocks in native code holding the GIL, as a trainer stuck in a step would (the fault
-tests of cancel, pause and a dying worker use it; nothing else sets it).
+Test-only: ``PROXIMA_TEST_TRAINER_HANG`` in its environment makes the trainer stuck as a step stuck in native code
+would be: it ignores SIGTERM and blocks holding the GIL, so that neither a stop request nor its stdin's end reach it.
+``start``: at once, before the trainer's imports; a step number N: once step N's metrics are sent. The worker fault
+tests set it on the workers they start; nothing else does.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from worker.errors import ErrorCode, code_for
 EXIT_ERROR = 1
 EXIT_ORPHANED = 3
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-HANG_AFTER_STEP_ENV = "PROXIMA_TEST_TRAINER_HANG_AFTER_STEP"
+HANG_ENV = "PROXIMA_TEST_TRAINER_HANG"
 SUMMARY_CHARS = 300
 
 
@@ -116,8 +117,8 @@ def die_with_parent() -> None:
 
 
 def _hang_as_if_stuck() -> None:
-    """The test hook's fault: deaf to SIGTERM and blocked in native code that holds the GIL (so no other thread of
-    this process runs either, the stdin watcher included)."""
+    """The test hook's fault (``HANG_ENV``): deaf to SIGTERM and blocked in native code that holds the GIL (so no
+    other thread of this process runs either, the stdin watcher included)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while True:
         ctypes.PyDLL(None).sleep(3600)  # PyDLL keeps the GIL during the call
@@ -133,7 +134,8 @@ def summary(err: BaseException) -> str:
 def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any:
     from trainer.callbacks import BaseCallback, Level
 
-    hang_after = os.environ.get(HANG_AFTER_STEP_ENV)
+    hang = os.environ.get(HANG_ENV)
+    hang_after = int(hang) if hang is not None and hang != "start" else None
 
     class ParentCallback(BaseCallback):
         def on_event(self, level: Level, message: str, data: dict[str, Any] | None = None) -> None:
@@ -150,7 +152,7 @@ def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any
             pipe.send(msg.Checkpoint(step=step, path=str(path), metrics=dict(metrics)))
 
         def should_stop(self) -> bool:
-            if hang_after is not None and progress.last_step >= int(hang_after):
+            if hang_after is not None and progress.last_step >= hang_after:
                 _hang_as_if_stuck()
             return stop.is_set()
 
@@ -169,6 +171,8 @@ def _watch_stdin(stop: threading.Event, pipe: Pipe, progress: Progress) -> None:
 
 def main(run_dir: Path) -> int:
     die_with_parent()
+    if os.environ.get(HANG_ENV) == "start":
+        _hang_as_if_stuck()
     # Messages get a private copy of stdout; fd 1 then points at stderr so stray prints cannot corrupt them.
     pipe = Pipe(os.fdopen(os.dup(1), "w", encoding="utf-8"))
     os.dup2(2, 1)
