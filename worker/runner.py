@@ -19,10 +19,9 @@ stderr, which the worker writes to its own log, never to the job.
 
 ``RUN_DIR/spec.json`` holds the spec with local paths; ``RUN_DIR/checkpoints/`` may hold the checkpoint to resume.
 
-Test-only: ``PROXIMA_TEST_TRAINER_HANG`` in its environment makes the trainer stuck as a step stuck in native code
-would be: it ignores SIGTERM and blocks holding the GIL, so that neither a stop request nor its stdin's end reach it.
-``start``: at once, before the trainer's imports; a step number N: once step N's metrics are sent. The worker fault
-tests set it on the workers they start; nothing else does.
+Test-only: ``PROXIMA_TEST_TRAINER_HANG=start`` in its environment makes the trainer stuck from its start, as a step
+stuck in native code would be: it ignores SIGTERM and blocks holding the GIL, so that neither a stop request nor its
+stdin's end reach it. The worker fault tests set it on the workers they start; nothing else does.
 """
 
 from __future__ import annotations
@@ -134,9 +133,6 @@ def summary(err: BaseException) -> str:
 def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any:
     from trainer.callbacks import BaseCallback, Level
 
-    hang = os.environ.get(HANG_ENV)
-    hang_after = int(hang) if hang is not None and hang != "start" else None
-
     class ParentCallback(BaseCallback):
         def on_event(self, level: Level, message: str, data: dict[str, Any] | None = None) -> None:
             pipe.send(msg.Event(level=level, message=message, data=data or {}))
@@ -152,8 +148,6 @@ def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any
             pipe.send(msg.Checkpoint(step=step, path=str(path), metrics=dict(metrics)))
 
         def should_stop(self) -> bool:
-            if hang_after is not None and progress.last_step >= hang_after:
-                _hang_as_if_stuck()
             return stop.is_set()
 
     return ParentCallback()

@@ -5,7 +5,7 @@ checkpoint, then ``out_of_memory``), a trainer's crash (a message without traceb
 a full artifact store.
 
 A stuck trainer is the runner's test hook (``worker.runner.HANG_ENV``): it ignores SIGTERM and blocks in native code
-holding the GIL, so that neither its stop request nor its stdin's end reach it. Stuck from its start, it costs no
+holding the GIL from its start, so that neither its stop request nor its stdin's end reach it. It costs no
 torch import: the tests of what the worker does to a trainer use it, and those of what the worker does with a
 trainer's output (progress through an outage, a crash, a full store) train the tiny random model for real.
 """
