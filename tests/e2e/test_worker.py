@@ -3,9 +3,7 @@ two workers racing for one job, a job whose broker message was lost, and the val
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import tarfile
 import time
 from collections.abc import Iterator
@@ -153,7 +151,7 @@ def test_failures_end_failed_with_an_actionable_code_and_the_workers_serve_the_n
     expected = {
         no_model: ("model_not_available", str(model_copy)),  # found by the worker before starting the trainer
         bad_data: ("invalid_file", "training file file-"),  # the trainer's typed error, naming file and line
-        bad_checkpoint: ("trainer_error", "Traceback"),  # an untyped crash: the last lines of its output
+        bad_checkpoint: ("trainer_error", "UnpicklingError"),  # an untyped crash: its class and first line
     }
     for job_id, (code, needle) in expected.items():
         job = service.wait_status(job_id, "failed", "succeeded")
@@ -164,7 +162,7 @@ def test_failures_end_failed_with_an_actionable_code_and_the_workers_serve_the_n
         errors = [e for e in service.events(job_id) if e.level == "error"]
         assert len(errors) == 1 and errors[0].message == f"The job failed: {job.error['message']}"
     crash = service.job(bad_checkpoint).error
-    assert crash is not None and len(crash["message"].splitlines()) <= 21  # the last 20 lines, not all
+    assert crash is not None and "Traceback" not in crash["message"] and "\n" not in crash["message"]
     bad_file = service.job(bad_data)
     assert bad_file.error is not None
     assert bad_file.error["message"] == f"training file {bad_file.training_file}, line 3: " + (
@@ -206,22 +204,6 @@ def runner_pid(job_id: str) -> int | None:
         if b"worker.runner" in cmd and job_id.encode() in cmd:
             return int(proc.name)
     return None
-
-
-def test_a_trainer_killed_by_the_kernel_fails_the_job_as_out_of_memory_and_the_worker_survives(
-    service: Service, random_model_dir: Path, arithmetic_data: Path
-) -> None:
-    job_id = service.create_job(grpo_spec(str(random_model_dir), steps=200, checkpoint_interval=50), arithmetic_data)
-    service.send(job_id)
-    service.wait_for("step 1", lambda: service.metric_steps(job_id))
-    pid = runner_pid(job_id)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)  # what the OOM killer does
-
-    job = service.wait_status(job_id, "failed", "succeeded", timeout=30)
-    assert job.error is not None and job.error["code"] == "out_of_memory"
-    assert "batch_size" in job.error["message"]
-    assert all(w.poll() is None for w in service.workers)
 
 
 def test_a_paused_job_stops_at_a_checkpoint_and_resumes_from_it(
