@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from trainer import graders, grading_pool, reward_model
+from trainer import metrics as M
+from trainer.callbacks import Callback
 from trainer.data import PromptItem
 from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
 from trainer.models import Precision
 from trainer.rollout import Rollout
+from trainer.sandbox import PythonSandbox, SandboxUnavailable
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,23 @@ class Scores:
     rewards: Tensor  # [N] float32
     sub: dict[str, Tensor]  # named sub-grader → [N]
     texts: list[str]
+    errors: list[tuple[graders.GradeError, ...]] = field(default_factory=list)  # [N] the problems of each sample
+
+    @property
+    def failures(self) -> list[graders.GradeError | None]:
+        """[N] the first error of each sample that the grader produced no score for (graders.FAILURE_KINDS)."""
+        return [next((e for e in errs if e.kind in graders.FAILURE_KINDS), None) for errs in self.errors]
+
+
+_sandbox: PythonSandbox | None = None
+
+
+def python_sandbox() -> PythonSandbox:
+    """This process's sandbox for python graders (trainer.sandbox's defaults: OpenAI's limits, stdlib only)."""
+    global _sandbox
+    if _sandbox is None:
+        _sandbox = PythonSandbox()
+    return _sandbox
 
 
 def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
@@ -35,34 +56,127 @@ def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[Pr
     """Grade each (text, item) pair: rewards [N] and each named sub-grader's scores [N].
 
     The grader's reward_model leaves are scored first, each over the whole batch in batched forward passes (the
-    model loaded once per process); the pure graders then run in this process's grading process
-    (`trainer.grading_pool`), each sample within a hard time limit: a sample that exceeds it, or whose grading fails,
-    scores 0.0 (its error is flagged there, as every grading problem is)."""
+    model loaded once per process), and its python leaves each over the whole batch in one sandbox
+    (`trainer.sandbox`: the grader's code never runs in this process); the pure graders then run in this process's
+    grading process (`trainer.grading_pool`), each sample within a hard time limit: a sample that exceeds it, or
+    whose grading fails, scores 0.0 (its error is flagged there, as every grading problem is). A python grader that
+    cannot run at all here (no sandbox can start) raises `graders.GraderFailed`."""
     names = graders.grader_names(grader)
     rows = [it.item for it in items]
     by_model: dict[str, Tensor] = {}  # the same reward model, prompt and normalisation are scored once
-    model_scores: dict[str, Tensor] = {}
+    model_scores: dict[str, list[float]] = {}
     for key, leaf in graders.model_graders(grader):
         same = leaf.model_dump_json(exclude={"name", "batch_size"})
         if same not in by_model:
             by_model[same] = reward_model.score_samples(leaf, texts, rows)
-        model_scores[key] = by_model[same]
-    samples = [
-        grading_pool.Sample(text, row, {key: float(s[i]) for key, s in model_scores.items()})
-        for i, (text, row) in enumerate(zip(texts, rows, strict=True))
-    ]
+        model_scores[key] = by_model[same].tolist()
     try:
-        results = grading_pool.default_pool().run(grader.model_dump(mode="json"), samples).results
-    except grading_pool.GradingTimeout as err:  # the grader validated here; a process that cannot is a failed batch
-        problem = graders.GradeError(f"{err}; scored 0.0", "timeout")
-        results = [graders.GradeResult(0.0, {}, (problem,))] * len(samples)
+        python = graders.grade_python_leaves(grader, python_sandbox(), texts, rows)
+    except SandboxUnavailable as err:
+        raise graders.GraderFailed(f"python graders cannot run on this worker: {err}") from None
+    model_scores |= python.scores
+    if isinstance(grader, graders.PythonGrader):  # nothing for the grading process to do
+        results = [
+            graders.GradeResult(score, {grader.name: score}, tuple(errs))
+            for score, errs in zip(python.scores[grader.name], python.errors, strict=True)
+        ]
+    else:
+        results = _grade_in_pool(grader, texts, rows, model_scores)
+        results = [
+            graders.GradeResult(r.score, r.sub_scores, (*errs, *r.errors)) if errs else r
+            for r, errs in zip(results, python.errors, strict=True)
+        ]
     rewards = torch.tensor([res.score for res in results], dtype=torch.float32)
     sub = {n: torch.zeros(len(texts), dtype=torch.float32) for n in names}
     for i, res in enumerate(results):
         for n, v in res.sub_scores.items():
             if n in sub:
                 sub[n][i] = v
-    return Scores(rewards, sub, list(texts))
+    return Scores(rewards, sub, list(texts), [res.errors for res in results])
+
+
+def _grade_in_pool(
+    grader: graders.Grader,
+    texts: Sequence[str],
+    rows: Sequence[dict[str, object]],
+    model_scores: dict[str, list[float]],
+) -> list[graders.GradeResult]:
+    samples = [
+        grading_pool.Sample(text, row, {key: s[i] for key, s in model_scores.items()})
+        for i, (text, row) in enumerate(zip(texts, rows, strict=True))
+    ]
+    try:
+        return grading_pool.default_pool().run(grader.model_dump(mode="json"), samples).results
+    except grading_pool.GradingTimeout as err:  # the grader validated here; a process that cannot is a failed batch
+        problem = graders.GradeError(f"{err}; scored 0.0", "timeout")
+        return [graders.GradeResult(0.0, {}, (problem,))] * len(samples)
+
+
+FAILED_STEP_FRACTION = 0.5
+"""A step whose samples the grader failed on more than this fraction of is a failed step."""
+FAILED_STEPS = 2
+FAILED_MIN_SAMPLES = 16
+"""The job fails with `graders.GraderFailed` once FAILED_STEPS consecutive steps failed and hold FAILED_MIN_SAMPLES
+samples or more together (more consecutive failed steps where the steps are small)."""
+
+
+class GraderMonitor:
+    """Counts the samples the grader produced no score for (`Scores.failures`: each scored 0.0), step by step: the
+    step's `grader/error_rate` metric, a warning event the first time each kind of failure shows (with an example),
+    and `graders.GraderFailed` when the grader fails on most samples for consecutive steps (a broken grader, not an
+    unlucky sample: a single timeout or crash never fails a job).
+
+    The loop calls `observe` with each graded batch of the step and `end_step` once the step's metrics are out."""
+
+    def __init__(self, callback: Callback, grader: graders.Grader) -> None:
+        self.cb = callback
+        self.grader = grader
+        self._samples = 0
+        self._failures: list[graders.GradeError] = []
+        self._reported: set[tuple[str, str | None]] = set()
+        self._streak_steps = 0
+        self._streak_samples = 0
+        self._streak_example: graders.GradeError | None = None
+
+    def observe(self, scores: Scores) -> None:
+        self._samples += len(scores.texts)
+        self._failures += [f for f in scores.failures if f is not None]
+
+    def metrics(self) -> dict[str, float]:
+        """The step's metric so far (0.0 before any sample)."""
+        return {M.GRADER_ERROR_RATE: len(self._failures) / self._samples if self._samples else 0.0}
+
+    def end_step(self, step: int) -> None:
+        """Report the step's failures (an event per kind never reported before), start the next step's count, and
+        raise GraderFailed when the failure rule is met."""
+        n, failures = self._samples, self._failures
+        self._samples, self._failures = 0, []
+        kinds = Counter((f.kind, f.cause) for f in failures)
+        for (kind, cause), count in kinds.items():
+            if (kind, cause) in self._reported:
+                continue
+            self._reported.add((kind, cause))
+            example = next(f for f in failures if (f.kind, f.cause) == (kind, cause))
+            self.cb.on_event(
+                "warn",
+                f"step {step}: the grader produced no score for {count} of {n} samples ({cause or kind}), each "
+                f"scored 0; later ones are counted in {M.GRADER_ERROR_RATE}. Example: {example[:500]}",
+                {"step": step, "kind": kind, "cause": cause, "count": count, "samples": n},
+            )
+        if n and len(failures) > FAILED_STEP_FRACTION * n:
+            self._streak_steps += 1
+            self._streak_samples += n
+            self._streak_example = failures[0]
+        else:
+            self._streak_steps = self._streak_samples = 0
+        if self._streak_steps >= FAILED_STEPS and self._streak_samples >= FAILED_MIN_SAMPLES:
+            last = self._streak_example
+            assert last is not None
+            raise graders.GraderFailed(
+                f"grader {self.grader.name!r} produced no score for most samples of {self._streak_steps} consecutive "
+                f"steps (more than {FAILED_STEP_FRACTION:.0%} of {self._streak_samples} samples; "
+                f"{last.cause or last.kind}): {last[:1000]}"
+            )
 
 
 @dataclass(frozen=True)

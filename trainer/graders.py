@@ -5,14 +5,15 @@ and its dataset row (`grade`). Strings may hold templates: `{{sample.output_text
 `{{item.<path>}}` a field of the row (dotted path for nesting; a digit indexes a list: `{{item.a.0}}`).
 Strings render verbatim; any other value renders as compact JSON (`3`, `true`, `null`, `{"a": 1}`).
 
-OpenAI's types: `string_check`, `text_similarity` (only `fuzzy_match`), `multi`. Ours: `numeric_match`,
+OpenAI's types: `string_check`, `text_similarity` (only `fuzzy_match`), `multi`, `python`. Ours: `numeric_match`,
 `regex`, `length_penalty`, and `reward_model` (the score of a reward model trained by a `reward_model` job). Every
 score is a float. Problems found at grading time (a missing item field, a division by zero in a formula) never
 raise: they are listed in `GradeResult.errors`, each a `GradeError` that says its kind.
 
-A `reward_model` grader needs a model, so this module does not score it: `trainer.evaluate.grade_batch` scores
-every reward-model leaf of a batch in batched forward passes (`trainer.reward_model`) and hands the scores to
-`grade` as `model_scores`; `grade` without them raises `GraderError`.
+A `reward_model` grader needs a model and a `python` grader a sandbox, so this module scores neither:
+`trainer.evaluate.grade_batch` scores every reward-model leaf of a batch in batched forward passes
+(`trainer.reward_model`) and every python leaf in one sandbox per batch (`trainer.sandbox`, with the `sample` object
+of `sample_object`), and hands the scores to `grade` as `model_scores`; `grade` without them raises `GraderError`.
 
 Graders are user input, parsed on the API's request threads: parsing is linear in the grader's size and the size is
 capped (the MAX_* bounds below, each a `GraderError` naming the field), regular expressions run on RE2 (linear-time
@@ -26,9 +27,9 @@ import keyword
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Self, assert_never
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, assert_never
 
 import re2
 from pydantic import (
@@ -45,6 +46,9 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 from rapidfuzz.distance import Indel
 
+if TYPE_CHECKING:
+    from trainer.sandbox import PythonSandbox, Result
+
 GRADER_TYPES: tuple[str, ...] = (
     "string_check",
     "text_similarity",
@@ -53,6 +57,7 @@ GRADER_TYPES: tuple[str, ...] = (
     "regex",
     "length_penalty",
     "reward_model",
+    "python",
 )
 
 # Bounds on user input. A grader is parsed where it arrives (the API's request threads, the trainer's config) and
@@ -84,25 +89,38 @@ class GraderError(ValueError):
         self.param = param
 
 
-GradeErrorKind = Literal["invalid_variable", "formula", "timeout", "other"]
+GradeErrorKind = Literal["invalid_variable", "formula", "timeout", "other", "python_runtime", "python_server"]
 """What went wrong while grading (OpenAI's grader-run error flags): a template named an item field the row lacks, a
 multi grader's `calculate_output` failed, grading one sample took longer than its time limit (trainer.grading_pool),
-or anything else."""
+anything else; a python grader's code failed (`python_runtime`: it raised, returned something that is not a finite
+number, or its source defines no usable `grade`) or its sandbox stopped it (`python_server`: timeout, CPU limit,
+output limit, crash; the sandbox's kind is the error's `cause`)."""
+
+FAILURE_KINDS: frozenset[str] = frozenset({"timeout", "python_runtime", "python_server"})
+"""The kinds of error that mean the grader produced no score for the sample (scored 0.0): what a job counts as the
+grader failing (`grader/error_rate`, and the job fails when most samples of consecutive steps fail)."""
 
 
 class GradeError(str):
-    """A problem met while grading one sample: its message (it is a `str`, so it reads and compares as one) and its
-    `kind`, so that callers tell problems apart by what they are, not by their wording."""
+    """A problem met while grading one sample: its message (it is a `str`, so it reads and compares as one), its
+    `kind`, so that callers tell problems apart by what they are, not by their wording, and for a python grader the
+    sandbox's result kind as `cause` (`exception`, `timeout`, ...: `trainer.sandbox.ResultKind`)."""
 
     kind: GradeErrorKind
+    cause: str | None
 
-    def __new__(cls, message: str, kind: GradeErrorKind) -> Self:
+    def __new__(cls, message: str, kind: GradeErrorKind, cause: str | None = None) -> Self:
         error = super().__new__(cls, message)
         error.kind = kind
+        error.cause = cause
         return error
 
-    def __getnewargs__(self) -> tuple[str, GradeErrorKind]:  # type: ignore[override]
-        return str(self), self.kind  # pickling (a result sent to another process) keeps the kind
+    def __getnewargs__(self) -> tuple[str, GradeErrorKind, str | None]:  # type: ignore[override]
+        return str(self), self.kind, self.cause  # pickling (a result sent to another process) keeps the kind
+
+
+class GraderFailed(GraderError):
+    """The grader failed on most samples of a run (trainer.evaluate.GraderMonitor): the job fails with it."""
 
 
 @dataclass(frozen=True)
@@ -599,6 +617,44 @@ class RewardModelGrader(_GraderBase):
         return value
 
 
+PYTHON_IMAGE_TAGS: tuple[str, ...] = ("2025-05-08",)
+"""The `image_tag`s a python grader may name: OpenAI's. Here the image is the sandbox's interpreter and its standard
+library only (OpenAI's image also holds numpy, scipy, pandas, ...: a grader importing them fails its samples)."""
+MAX_PYTHON_SOURCE_BYTES = 256 * 1024
+"""OpenAI's bound on a python grader's `source` ("< 256 kB"), in UTF-8 bytes (the sandbox's runner checks it too)."""
+
+
+class PythonGrader(_GraderBase):
+    """OpenAI's `python` grader: `source` defines `grade(sample, item) -> float`, run in a sandbox (trainer.sandbox).
+
+    `sample` is OpenAI's sample object (`sample_object`: output_text, output_json, output_tools, choices,
+    output_audio), `item` the dataset row. The score is what float() makes of grade's result when it is a finite
+    number (not clipped); anything else (an exception, a value that is not a number, NaN) scores 0.0 with an error
+    flag. `name` is optional, as in OpenAI's guide (default "python"). Whether `grade` is defined is checked in a
+    sandbox (`trainer.sandbox.check_source`) where the grader arrives, never by parsing the source here.
+    """
+
+    type: Literal["python"]
+    name: str = Field(default="python", min_length=1, max_length=MAX_NAME_CHARS)
+    source: str
+    image_tag: str | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _source_size(cls, value: str) -> str:
+        size = len(value.encode("utf-8", errors="surrogatepass"))
+        if size > MAX_PYTHON_SOURCE_BYTES:
+            raise ValueError(f"source is {size} bytes long; at most {MAX_PYTHON_SOURCE_BYTES} bytes are allowed")
+        return value
+
+    @field_validator("image_tag")
+    @classmethod
+    def _known_image(cls, value: str | None) -> str | None:
+        if value is not None and value not in PYTHON_IMAGE_TAGS:
+            raise ValueError(f"unknown image_tag {value!r}; valid: {', '.join(PYTHON_IMAGE_TAGS)}")
+        return value
+
+
 class MultiGrader(_GraderBase):
     """`calculate_output` evaluated over the scores of `graders`, each bound to its key.
 
@@ -643,7 +699,8 @@ Grader = Annotated[
     | NumericMatchGrader
     | RegexGrader
     | LengthPenaltyGrader
-    | RewardModelGrader,
+    | RewardModelGrader
+    | PythonGrader,
     Field(discriminator="type"),
 ]
 _LeafGrader = (
@@ -653,6 +710,7 @@ _LeafGrader = (
     | RegexGrader
     | LengthPenaltyGrader
     | RewardModelGrader
+    | PythonGrader
 )
 
 MultiGrader.model_rebuild()
@@ -841,6 +899,13 @@ def _score_leaf(grader: _LeafGrader, ctx: _Context, path: str) -> float:
                     "scored during training and evaluation, and cannot be run on a single sample here"
                 )
             return float(ctx.model_scores[path])
+        case PythonGrader():
+            if path not in ctx.model_scores:
+                raise GraderError(
+                    f"grader {grader.name!r}: python graders run in a sandbox over batches of samples "
+                    "(trainer.evaluate.grade_batch), not here"
+                )
+            return float(ctx.model_scores[path])
         case _:
             assert_never(grader)
 
@@ -857,6 +922,8 @@ def _templates(grader: _LeafGrader) -> tuple[str, ...]:
             return (grader.input,)
         case RewardModelGrader():
             return tuple(m.content for m in grader.prompt or ())
+        case PythonGrader():
+            return ()
         case _:
             assert_never(grader)
 
@@ -907,6 +974,111 @@ def model_graders(grader: Grader) -> list[tuple[str, RewardModelGrader]]:
         elif isinstance(child, MultiGrader):
             out.extend((f"{key}.{path}", leaf) for path, leaf in model_graders(child))
     return out
+
+
+def python_graders(grader: Grader) -> list[tuple[str, PythonGrader]]:
+    """(key, grader) of every python leaf, keyed as `grade` keys sub_scores and reads `model_scores` (`py`,
+    `quality.py`)."""
+    if isinstance(grader, PythonGrader):
+        return [(grader.name, grader)]
+    if not isinstance(grader, MultiGrader):
+        return []
+    out: list[tuple[str, PythonGrader]] = []
+    for key, child in grader.graders.items():
+        if isinstance(child, PythonGrader):
+            out.append((key, child))
+        elif isinstance(child, MultiGrader):
+            out.extend((f"{key}.{path}", leaf) for path, leaf in python_graders(child))
+    return out
+
+
+def python_grader_params(grader: dict[str, Any], path: str = "grader") -> list[tuple[str, str]]:
+    """(param path of its `source`, source) of every python leaf of a grader in its JSON form (validated or not:
+    what is not a python leaf with a string source is skipped), e.g. `grader.graders.py.source`."""
+    if grader.get("type") == "python":
+        source = grader.get("source")
+        return [(f"{path}.source", source)] if isinstance(source, str) else []
+    if grader.get("type") != "multi" or not isinstance(grader.get("graders"), dict):
+        return []
+    out: list[tuple[str, str]] = []
+    for key, child in grader["graders"].items():
+        if isinstance(child, dict):
+            out.extend(python_grader_params(child, f"{path}.graders.{key}"))
+    return out
+
+
+_PYTHON_RUNTIME_CAUSES = frozenset({"exception", "not_a_number", "non_finite", "invalid_source"})
+
+
+def python_grade_error(grader_name: str, cause: str, error: str | None) -> GradeError:
+    """The GradeError of a python grader's sample that scored no number, from the sandbox's result kind (`cause`):
+    the grader's own failure (`python_runtime`: it raised, returned no finite number, or its source is unusable) or
+    the sandbox's (`python_server`: timeout, cpu_limit, output_limit, crash)."""
+    kind: GradeErrorKind = "python_runtime" if cause in _PYTHON_RUNTIME_CAUSES else "python_server"
+    return GradeError(f"python grader {grader_name!r} ({cause}): {error or cause}; scored 0.0", kind, cause)
+
+
+@dataclass(frozen=True)
+class PythonScores:
+    """The scores of a grader's python leaves over a batch: `scores[key][i]` for sample i, keyed as `model_scores`
+    is, and `errors[i]`, the problems of sample i (a leaf that scored no number adds one)."""
+
+    scores: dict[str, list[float]]
+    errors: list[list[GradeError]]
+
+
+def grade_python_leaves(
+    grader: Grader, sandbox: "PythonSandbox", output_texts: Sequence[str], items: Sequence[Mapping[str, Any]]
+) -> PythonScores:
+    """Grade every python leaf of `grader` over the batch, one sandbox per leaf (leaves with the same source share
+    it), with OpenAI's `sample` object (`sample_object`) and the item. Raises `trainer.sandbox.SandboxUnavailable`
+    when no sandbox could start."""
+    errors: list[list[GradeError]] = [[] for _ in output_texts]
+    scores: dict[str, list[float]] = {}
+    leaves = python_graders(grader)
+    if not leaves or not output_texts:
+        return PythonScores({key: [] for key, _ in leaves}, errors)
+    samples = [sample_object(text) for text in output_texts]
+    by_source: dict[str, list[Result]] = {}
+    for key, leaf in leaves:
+        if leaf.source not in by_source:
+            by_source[leaf.source] = sandbox.grade_batch(leaf.source, samples, items)
+        results = by_source[leaf.source]
+        scores[key] = [r.score if r.kind is None else 0.0 for r in results]
+        for i, r in enumerate(results):
+            if r.kind is not None:
+                errors[i].append(python_grade_error(leaf.name, r.kind, r.error))
+    return PythonScores(scores, errors)
+
+
+def sample_object(output_text: str, *, finish_reason: Literal["stop", "length"] = "stop") -> dict[str, Any]:
+    """OpenAI's `sample` of a python grader (and of the graders guide's `{{sample.*}}`) for a chat completion:
+    `output_text`; `output_json`, the text parsed as JSON when it is JSON (else None; NaN and infinities are not);
+    `output_tools`, the tool calls (none here); `choices`, the one chat-completions choice; `output_audio` None."""
+    return {
+        "output_text": output_text,
+        "output_json": _parse_json(output_text),
+        "output_tools": [],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": output_text, "tool_calls": []},
+                "finish_reason": finish_reason,
+            }
+        ],
+        "output_audio": None,
+    }
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_json(text: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; RecursionError: nested too deep
+        return None
 
 
 def reward_model_prompt(grader: RewardModelGrader, item: Mapping[str, Any]) -> list[dict[str, str]] | None:

@@ -104,6 +104,11 @@ GENERATION_SECONDS = _metric("time/generation_s", "wall-clock time of the step's
 LEARNING_RATE = _metric("lr", "learning rate of the step, after warm-up and schedule")
 KL_COEF = _metric("kl/coef", "the KL coefficient β in effect (PPO's adaptive controller moves it)")
 VAL_REWARD_MEAN = _metric("val/reward/mean", "greedy mean reward on the validation prompts")
+GRADER_ERROR_RATE = _metric(
+    "grader/error_rate",
+    "fraction of the step's sampled completions the grader produced no score for (a python grader that raised or "
+    "returned no finite number, a sandbox timeout, CPU limit or crash, a grading timeout); each scored 0",
+)
 
 # PPO's value model (GAE advantages; the KL penalty is in the per-token reward)
 LOSS_VALUE = _metric("loss/value", "½·max((V − R)², (V_clipped − R)²), token mean, before vf_coef")

@@ -32,6 +32,7 @@ from api.repositories import files as files_repo
 from api.repositories import jobs as jobs_repo
 from api.repositories import runs as runs_repo
 from api.schemas import FineTuningJob, JobCreate
+from api.services import graders as graders_service
 from api.settings import Settings
 from api.status import NOT_STARTED, TERMINAL_STATUSES, WAITING, JobStatus
 from api.storage import ArtifactStore
@@ -216,6 +217,9 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
     _check_dataset_file(session, tenant=tenant, file_id=spec.training_file, param="training_file")
     if spec.validation_file is not None:
         _check_dataset_file(session, tenant=tenant, file_id=spec.validation_file, param="validation_file")
+    grader = spec_json["method"][spec.method.type].get("grader")
+    if isinstance(grader, dict):  # a python grader's source parses and defines grade (checked in a sandbox)
+        graders_service.check_job_grader(grader, param=f"method.{spec.method.type}.grader")
 
     job = jobs_repo.add(
         session,

@@ -121,7 +121,7 @@ class TestGraderValidate:
         assert r.status_code == 200 and r.json()["grader"]["graders"]["exact"] == GRADER
 
     def test_invalid_grader_is_a_400(self, api: httpx.Client) -> None:
-        r = api.post("/v1/fine_tuning/alpha/graders/validate", json={"grader": {"type": "python", "name": "p"}})
+        r = api.post("/v1/fine_tuning/alpha/graders/validate", json={"grader": {"type": "lua", "name": "p"}})
         assert_error(r, 400, param="grader.type", code="invalid_grader")
 
 

@@ -234,7 +234,14 @@ class TestNesting:
 def test_every_error_kind_has_a_name_the_pool_and_the_api_know() -> None:
     from typing import get_args
 
-    assert set(get_args(graders.GradeErrorKind)) == {"invalid_variable", "formula", "timeout", "other"}
+    assert set(get_args(graders.GradeErrorKind)) == {
+        "invalid_variable",
+        "formula",
+        "timeout",
+        "other",
+        "python_runtime",
+        "python_server",
+    }
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

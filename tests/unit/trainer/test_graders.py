@@ -13,6 +13,7 @@ from trainer.graders import (
     LengthPenaltyGrader,
     MultiGrader,
     NumericMatchGrader,
+    PythonGrader,
     RegexGrader,
     RewardModelGrader,
     StringCheckGrader,
@@ -88,6 +89,7 @@ class TestParse:
             "regex": (regex(), RegexGrader),
             "length_penalty": (length(max_chars=10), LengthPenaltyGrader),
             "reward_model": ({"type": "reward_model", "name": "rm", "model": "runs/rm"}, RewardModelGrader),
+            "python": ({"type": "python", "name": "py", "source": "def grade(s, i):\n    return 1.0\n"}, PythonGrader),
         }
         assert set(examples) == set(GRADER_TYPES)
         for grader_type, (obj, model) in examples.items():
@@ -99,9 +101,9 @@ class TestParse:
         assert issubclass(GraderError, ValueError)
 
     def test_unknown_type_lists_valid_types(self) -> None:
-        assert parse_error({"type": "python", "name": "x", "source": "..."}) == (
-            "grader.type: unknown grader type 'python'; valid types: "
-            "string_check, text_similarity, multi, numeric_match, regex, length_penalty, reward_model"
+        assert parse_error({"type": "lua", "name": "x", "source": "..."}) == (
+            "grader.type: unknown grader type 'lua'; valid types: "
+            "string_check, text_similarity, multi, numeric_match, regex, length_penalty, reward_model, python"
         )
 
     def test_missing_type_is_named(self) -> None:

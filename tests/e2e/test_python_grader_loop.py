@@ -1,0 +1,50 @@
+"""The online RL loop with OpenAI's `python` grader (issue 13, item 1): two GRPO steps on a small random model whose
+rewards come from a grader's code run in the sandbox, one sandbox per graded batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_rl_loop import make_spec, read_metrics
+from trainer import evaluate
+from trainer import metrics as M
+from trainer.callbacks import JsonlFiles
+from trainer.config import parse_spec
+from trainer.sandbox import sandbox_available
+from trainer.train import train
+
+# The item is the dataset row: the grader reads its answer and the sample's text, as OpenAI's guide shows.
+SOURCE = """
+def grade(sample, item):
+    text = sample["output_text"]
+    assert sample["choices"][0]["message"]["content"] == text and item["answer"].isdigit()
+    return len(text) / 10
+"""
+
+
+def test_grpo_trains_on_a_python_graders_rewards(random_model_dir: Path, arithmetic_data: Path, tmp_path: Path) -> None:
+    reason = sandbox_available()
+    if reason is not None:
+        pytest.fail(f"the python grader's sandbox is unavailable here: {reason}")
+    raw = make_spec(random_model_dir, arithmetic_data, max_steps=2, batch_size=2, group_size=4, eval_samples=4)
+    raw["method"]["grpo"]["grader"] = {
+        "type": "multi",
+        "name": "m",
+        "graders": {"py": {"type": "python", "name": "py", "source": SOURCE}},
+        "calculate_output": "py",
+    }
+    starts = evaluate.python_sandbox().starts
+    res = train(parse_spec(raw), output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    assert res.adapter_dir is not None
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[-1][M.reward_of("py")] == pytest.approx(rows[-1][M.REWARD_MEAN]) and rows[-1][M.REWARD_MEAN] > 0
+    rollouts = [json.loads(ln) for ln in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts, "no rollouts were logged"
+    for r in rollouts:  # each logged reward is exactly what the grader's code makes of the completion
+        assert r["reward"] == pytest.approx(len(r["completion"]) / 10, abs=1e-6)
+    # one sandbox per graded batch: two training steps and validation at steps 0 and 2 (eval_interval 2)
+    assert evaluate.python_sandbox().starts == starts + 4
