@@ -1,7 +1,7 @@
 """``/v1/fine_tuning/alpha/graders``: OpenAI's grader dry-run and validation.
 
-Both are ``async``: the grader runs in a grading process (``api.services.graders``), and the request waits for it
-without holding one of the API's threads."""
+Both are ``async``: the grader runs in a grading process, a python grader's code in a sandbox
+(``api.services.graders``), and the request waits for it without holding one of the API's threads."""
 
 from __future__ import annotations
 

@@ -206,6 +206,9 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
             code="model_not_available",
         )
     spec_json = spec.to_json()
+    grader = spec_json["method"][spec.method.type].get("grader")
+    if isinstance(grader, dict):  # a python grader's source parses and defines grade (checked in a sandbox)
+        graders_service.check_job_grader(grader, param=f"method.{spec.method.type}.grader")
     _resolve_reward_models(session, tenant=tenant, spec_json=spec_json)
     value_model = getattr(spec.method.hyperparameters, "value_model", None)
     if value_model is not None and value_model not in settings.base_models:
@@ -217,9 +220,6 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
     _check_dataset_file(session, tenant=tenant, file_id=spec.training_file, param="training_file")
     if spec.validation_file is not None:
         _check_dataset_file(session, tenant=tenant, file_id=spec.validation_file, param="validation_file")
-    grader = spec_json["method"][spec.method.type].get("grader")
-    if isinstance(grader, dict):  # a python grader's source parses and defines grade (checked in a sandbox)
-        graders_service.check_job_grader(grader, param=f"method.{spec.method.type}.grader")
 
     job = jobs_repo.add(
         session,
