@@ -51,7 +51,7 @@ from trainer.critic import build_critic
 from trainer.data import DatasetError, PromptItem, load_prompts
 from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
-from trainer.evaluate import decode_completions, evaluate_engine, grade_batch
+from trainer.evaluate import GraderMonitor, decode_completions, evaluate_engine, grade_batch
 from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
 from trainer.models import Precision, default_device, load_tokenizer, resolve_precision, trainable_parameters
 from trainer.recipes import RECIPES, Recipe
@@ -95,6 +95,7 @@ class RLTrainer(EngineLoop):
         self.recipe = recipe or RECIPES[spec.method.type]
         self.parts = Parts.of(self.recipe, self.hp)
         self.grader = spec.method.grader
+        self.grader_monitor = GraderMonitor(callback, self.grader)  # grader/error_rate; fails a broken grader
         self._load_data()  # everything that can be wrong with the input is checked before any weight is loaded
         self.device = device or default_device()
         self.precision: Precision = resolve_precision(self.hp.precision, self.device)
@@ -235,10 +236,12 @@ class RLTrainer(EngineLoop):
         )
         if self.val_items and validation_due(step, interval=self.hp.eval_interval, total_steps=self.total_steps):
             m |= self.validation_metrics()
+        m |= self.grader_monitor.metrics()
         m[M.STEP_SECONDS] = time.perf_counter() - t0
         self.cb.on_metrics(step, m)
         if self.hp.rollouts_logged and len(batch):
             self.cb.on_rollouts(step, rollout_records(batch, adv.per_row, self.hp.rollouts_logged))
+        self.grader_monitor.end_step(step)  # after the step is recorded: GraderFailed when the grader is broken
         return m
 
     # -- collect ---------------------------------------------------------------------------------------------------
@@ -255,6 +258,7 @@ class RLTrainer(EngineLoop):
         rollout = gen.rollout.to("cpu")
         texts = decode_completions(self.tokenizer, rollout)
         scores = grade_batch(self.grader, texts, items)
+        self.grader_monitor.observe(scores)
         shaped = scores.rewards.clone()
         if self.parts.overlong is not None:
             buffer, factor = self.parts.overlong

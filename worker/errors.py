@@ -15,6 +15,7 @@ class ErrorCode(StrEnum):
 
     INVALID_FILE = "invalid_file"  # a dataset that does not fit the method, or is gone
     INVALID_GRADER = "invalid_grader"
+    GRADER_FAILED = "grader_failed"  # the grader produced no score for most samples of consecutive steps
     INVALID_HYPERPARAMETERS = "invalid_hyperparameters"
     INVALID_REWARD_MODEL = "invalid_reward_model"  # a reward_model grader's model is gone
     MODEL_NOT_AVAILABLE = "model_not_available"

@@ -57,7 +57,7 @@ def trainer_error_codes() -> dict[type[BaseException], ErrorCode]:
 
     from trainer.config import SpecError
     from trainer.data import DatasetError
-    from trainer.graders import GraderError
+    from trainer.graders import GraderError, GraderFailed
     from trainer.models import ModelError
 
     return {
@@ -66,6 +66,7 @@ def trainer_error_codes() -> dict[type[BaseException], ErrorCode]:
         DatasetError: ErrorCode.INVALID_FILE,
         ModelError: ErrorCode.MODEL_NOT_AVAILABLE,
         GraderError: ErrorCode.INVALID_GRADER,
+        GraderFailed: ErrorCode.GRADER_FAILED,
         SpecError: ErrorCode.INVALID_HYPERPARAMETERS,
     }
 

@@ -7,7 +7,7 @@ import torch
 
 from trainer.config import SpecError
 from trainer.data import DatasetError
-from trainer.graders import GraderError
+from trainer.graders import GraderError, GraderFailed
 from trainer.models import ModelError
 from worker.errors import ErrorCode, code_for
 from worker.runner import error_code
@@ -39,6 +39,7 @@ def test_the_most_specific_mapped_class_gives_the_code() -> None:
         (DatasetError("no prompt", line=3, path="train.jsonl"), ErrorCode.INVALID_FILE),
         (ModelError("cannot load model 'x'"), ErrorCode.MODEL_NOT_AVAILABLE),
         (GraderError("unknown grader type"), ErrorCode.INVALID_GRADER),
+        (GraderFailed("grader 'py' produced no score for most samples"), ErrorCode.GRADER_FAILED),
         (SpecError("must be at least 2", param="group_size"), ErrorCode.INVALID_HYPERPARAMETERS),
         (torch.OutOfMemoryError("CUDA out of memory"), ErrorCode.OUT_OF_MEMORY),
         (MemoryError(), ErrorCode.OUT_OF_MEMORY),
