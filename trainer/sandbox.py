@@ -47,7 +47,6 @@ library and `packages_dir` are importable, never the host's site-packages.
 from __future__ import annotations
 
 import fcntl
-import functools
 import json
 import math
 import os
@@ -654,11 +653,20 @@ def _result(reply: Mapping[str, Any], i: int, seconds: float) -> Result:
 
 def sandbox_available(config: SandboxConfig | None = None) -> str | None:
     """None when python graders can run here with `config`; else why not, in a sentence for an operator (or a 400).
-    Checks the parts, then starts a sandbox and grades one sample; the answer is kept for the process's lifetime."""
-    return _available(config or SandboxConfig())
+    Checks the parts, then starts a sandbox and grades one sample. Success is kept for the process's lifetime; a
+    failure is checked again on the next call (a passing one, such as every uid slot busy, must not last)."""
+    config = config or SandboxConfig()
+    if config in _AVAILABLE:
+        return None
+    problem = _available(config)
+    if problem is None:
+        _AVAILABLE.add(config)
+    return problem
 
 
-@functools.lru_cache(maxsize=8)
+_AVAILABLE: set[SandboxConfig] = set()
+
+
 def _available(config: SandboxConfig) -> str | None:
     if not sys.platform.startswith("linux"):
         return f"python graders need Linux (bubblewrap); this is {sys.platform}"

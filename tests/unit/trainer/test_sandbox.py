@@ -604,6 +604,18 @@ class TestAvailability:
         reason = sandbox_available(replace(LIMITS, python="/root/.pyenv/versions/3.11.7/bin/python3"))
         assert reason is not None and "under /usr" in reason
 
+    def test_a_failure_is_not_kept_once_its_cause_is_gone(self) -> None:
+        base = Path(tempfile.mkdtemp(prefix="proxima-grader-site-"))  # not under tmp_path: the slot uid must read it
+        try:
+            base.chmod(0o755)
+            packages = base / "site"
+            config = replace(LIMITS, packages_dir=packages)
+            assert sandbox_available(config) == f"the sandbox's packages folder {packages} is not there"
+            packages.mkdir(mode=0o755)
+            assert sandbox_available(config) is None
+        finally:
+            shutil.rmtree(base)
+
     def test_a_slot_is_free_again_after_its_sandbox_is_killed(self) -> None:
         one = PythonSandbox(replace(LIMITS, uid_slots=1, slot_wait_s=5.0, sample_timeout_s=0.5))
         source = "import os, time\ndef grade(sample, item):\n    os.fork()\n    time.sleep(3600)\n"
