@@ -39,7 +39,11 @@ MAX_BATCH = 4096
 MAX_GROUP = 256
 """Most samples per prompt (G)."""
 MAX_ROLLOUT = 65_536
-"""Most sequences one RL step samples (batch_size × group_size)."""
+"""Most sequences one RL step samples (batch_size × group_size × compute_multiplier)."""
+MAX_COMPUTE_MULTIPLIER = 64.0
+"""Largest ``compute_multiplier`` (OpenAI gives no range; the rollout's own bound applies as well)."""
+ReasoningEffort = Literal["default", "low", "medium", "high"]
+"""OpenAI's ``reasoning_effort`` values."""
 
 
 class _Strict(BaseModel):
@@ -163,6 +167,29 @@ class RLHyperparameters(Hyperparameters):
     loss_aggregation: AggregationName = "seq_mean_token_mean"
     mask_truncated_completions: bool = False
     rollouts_logged: int = Field(4, ge=0, le=256, description="sampled rollouts written per step, up to 256")
+    # OpenAI's reinforcement hyperparameters (a job body copied from OpenAI runs unchanged; README "Hyperparameters").
+    compute_multiplier: float = Field(
+        1.0,
+        gt=0,
+        le=MAX_COMPUTE_MULTIPLIER,
+        description="OpenAI's: scales the exploration, here the samples per prompt: "
+        "samples_per_prompt = max(1, round(group_size × compute_multiplier))",
+    )
+    reasoning_effort: ReasoningEffort = Field(
+        "default",
+        description="OpenAI's: the chat template's thinking mode where the base model has one (trainer.encoding."
+        "thinking_kwargs); otherwise it has no effect and the job says so in an event",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_auto_rl(cls, data: Any) -> Any:
+        return _auto_to_default(data, ("compute_multiplier",))
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Completions sampled per prompt each step: ``group_size`` scaled by ``compute_multiplier``."""
+        return max(1, round(self.group_size * self.compute_multiplier))
 
 
 class GRPOHyperparameters(RLHyperparameters):
@@ -428,10 +455,12 @@ def _parse_method(raw: Any) -> MethodSpec:
 
 def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
     recipe = RECIPES[method]
-    if recipe.needs_group and hp.group_size < 2:
+    scaled = hp.compute_multiplier != 1.0
+    if recipe.needs_group and hp.samples_per_prompt < 2:
         raise SpecError(
-            f"{method} compares samples within a group: group_size must be at least 2",
-            param=f"{where}.group_size",
+            f"{method} compares samples within a group: group_size must be at least 2"
+            + (f" (group_size × compute_multiplier gives {hp.samples_per_prompt})" if scaled else ""),
+            param=f"{where}.{'compute_multiplier' if scaled and hp.group_size >= 2 else 'group_size'}",
         )
     if hp.min_completion_tokens > hp.max_completion_tokens:
         raise SpecError("must not exceed max_completion_tokens", param=f"{where}.min_completion_tokens")
@@ -439,15 +468,16 @@ def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
         for name in ("iterations_per_batch", "mini_batches"):
             if getattr(hp, name) != 1:
                 raise SpecError("reinforce is on-policy: must be 1", param=f"{where}.{name}")
-    rollout = hp.batch_size * hp.group_size
+    rollout = hp.batch_size * hp.samples_per_prompt
+    per_prompt = "group_size × compute_multiplier" if scaled else "group_size"
     if rollout > MAX_ROLLOUT:
         raise SpecError(
-            f"batch_size × group_size = {rollout:,} sequences a step; at most {MAX_ROLLOUT:,}",
-            param=f"{where}.group_size",
+            f"batch_size × {per_prompt} = {rollout:,} sequences a step; at most {MAX_ROLLOUT:,}",
+            param=f"{where}.{'compute_multiplier' if scaled else 'group_size'}",
         )
     if rollout % hp.mini_batches:
         raise SpecError(
-            f"batch_size × group_size = {rollout} is not divisible into {hp.mini_batches} mini-batches",
+            f"batch_size × {per_prompt} = {rollout} is not divisible into {hp.mini_batches} mini-batches",
             param=f"{where}.mini_batches",
         )
     if isinstance(hp, PPOHyperparameters) and hp.critic == "policy_trunk" and hp.value_model is not None:

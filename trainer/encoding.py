@@ -8,6 +8,7 @@ policy the replies it will later sample.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,22 +26,58 @@ class PromptTooLongError(ValueError):
         self.item = item
 
 
-def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
-    """The tokenizer's chat template when it has one, else the contents joined by newlines."""
+def prompt_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The tokenizer's chat template when it has one (rendered with `template_kwargs`, e.g. `thinking_kwargs`'s),
+    else the contents joined by newlines."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
         assert isinstance(text, str)
         return text
     return "\n".join(m["content"] for m in messages)
 
 
+# How chat templates switch thinking on and off: gpt-oss's takes OpenAI's levels as `reasoning_effort`; Qwen3's
+# (`enable_thinking`) and DeepSeek-V3.1's (`thinking`) take a boolean. Checked in this order (enable_thinking
+# contains the word thinking only as part of itself: the pattern matches whole variable names).
+_EFFORT_VARIABLE = re.compile(r"\breasoning_effort\b")
+_THINKING_SWITCHES = tuple((name, re.compile(rf"\b{name}\b")) for name in ("enable_thinking", "thinking"))
+
+
+def thinking_kwargs(tokenizer: PreTrainedTokenizerBase, effort: str) -> dict[str, Any] | None:
+    """The chat-template arguments that select OpenAI's `reasoning_effort` (default, low, medium, high) for this
+    tokenizer's template, or None when the template has no thinking mode (the effort then has no effect).
+
+    A template with a `reasoning_effort` variable gets the level itself; one with a boolean switch gets thinking off
+    for `low` and on for `medium` and `high`; `default` passes nothing (the template's own default)."""
+    template = getattr(tokenizer, "chat_template", None)
+    source = "\n".join(template.values()) if isinstance(template, dict) else template
+    if not isinstance(source, str):
+        return None
+    if _EFFORT_VARIABLE.search(source):
+        return {} if effort == "default" else {"reasoning_effort": effort}
+    for name, pattern in _THINKING_SWITCHES:
+        if pattern.search(source):
+            return {} if effort == "default" else {name: effort != "low"}
+    return None
+
+
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, items: Sequence[PromptItem], *, max_prompt_tokens: int
+    tokenizer: PreTrainedTokenizerBase,
+    items: Sequence[PromptItem],
+    *,
+    max_prompt_tokens: int,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt (special tokens come from the chat template, none are added again)."""
     out: list[list[int]] = []
     for item in items:
-        ids = tokenizer(prompt_text(tokenizer, item.messages), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(prompt_text(tokenizer, item.messages, template_kwargs), add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
             raise PromptTooLongError(item, len(ids), max_prompt_tokens)
         out.append(list(ids))

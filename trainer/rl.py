@@ -1,6 +1,7 @@
 """The online RL loop (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE, PPO), read top to bottom in :meth:`RLTrainer.step`:
 
-    collect     sample ``batch_size`` prompts × ``group_size`` completions from the rollout engine, grade them,
+    collect     sample ``batch_size`` prompts × ``samples_per_prompt`` completions (``group_size`` scaled by OpenAI's
+                ``compute_multiplier``) from the rollout engine, grade them,
                 (dynamic sampling) drop all-equal groups and draw again until the batch is full
     score       behaviour and reference log-probs, the critic's V; the KL into the reward where the recipe puts it
     advantages  the recipe's estimator from the advantage registry (GAE over per-token rewards for a critic)
@@ -49,7 +50,7 @@ from trainer.core_algos import (
 )
 from trainer.critic import build_critic
 from trainer.data import DatasetError, PromptItem, load_prompts
-from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts
+from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts, thinking_kwargs
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
 from trainer.evaluate import GraderMonitor, decode_completions, evaluate_engine, grade_batch
 from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
@@ -126,6 +127,14 @@ class RLTrainer(EngineLoop):
         self.train_items = load_prompts(Path(spec.training_file), grader=self.grader)
         self.val_items = load_prompts(Path(spec.validation_file), grader=self.grader) if spec.validation_file else []
         self.tokenizer = load_tokenizer(spec.model)
+        thinking = thinking_kwargs(self.tokenizer, hp.reasoning_effort)
+        if thinking is None and hp.reasoning_effort != "default":
+            self.cb.on_event(
+                "info",
+                f"reasoning_effort {hp.reasoning_effort!r} has no effect: the chat template of {spec.model} has no "
+                "thinking mode",
+            )
+        self.template_kwargs = thinking or {}
         self.train_ids = self._encode(self.train_items, spec.training_file)
         self.val_ids = self._encode(self.val_items, spec.validation_file or "")
         longest = max(len(p) for p in self.train_ids + self.val_ids)
@@ -206,7 +215,9 @@ class RLTrainer(EngineLoop):
 
     def _encode(self, items: list[PromptItem], path: str) -> list[list[int]]:
         try:
-            return encode_prompts(self.tokenizer, items, max_prompt_tokens=self.hp.max_prompt_tokens)
+            return encode_prompts(
+                self.tokenizer, items, max_prompt_tokens=self.hp.max_prompt_tokens, template_kwargs=self.template_kwargs
+            )
         except PromptTooLongError as err:
             raise DatasetError(str(err), line=err.item.line, path=path) from None
 
@@ -228,7 +239,7 @@ class RLTrainer(EngineLoop):
         self.engine.lr_step()
         m |= batch_metrics(
             batch,
-            group_size=self.hp.group_size,
+            group_size=self.hp.samples_per_prompt,
             dynamic_sampling=self.recipe.dynamic_sampling,
             beta=self.hp.beta,
             lr=lr,
@@ -247,12 +258,13 @@ class RLTrainer(EngineLoop):
     # -- collect ---------------------------------------------------------------------------------------------------
 
     def draw(self) -> tuple[Samples, float]:
-        """``batch_size`` prompts × ``group_size`` completions from the rollout engine, graded (and shaped), and the
-        generation's seconds."""
+        """``batch_size`` prompts × ``samples_per_prompt`` completions from the rollout engine, graded (and shaped),
+        and the generation's seconds."""
         hp = self.hp
         idx = self.engine.data_order.next(hp.batch_size)
-        prompts = [self.train_ids[i] for i in idx for _ in range(hp.group_size)]  # rows of a group adjacent
-        items = [self.train_items[i] for i in idx for _ in range(hp.group_size)]
+        g = hp.samples_per_prompt
+        prompts = [self.train_ids[i] for i in idx for _ in range(g)]  # rows of a group adjacent
+        items = [self.train_items[i] for i in idx for _ in range(g)]
         self.rollout_engine.push_weights(self.model, self.engine.weights_version)
         gen = self.rollout_engine.generate(prompts, self.sampling, generator=self.engine.generator)
         rollout = gen.rollout.to("cpu")
@@ -270,7 +282,7 @@ class RLTrainer(EngineLoop):
     def collect(self) -> Batch:
         """Draw until the batch holds ``batch_size`` groups; with dynamic sampling, groups whose rewards are all equal
         (no signal) are dropped and drawn again, at most ``max_sampling_batches`` times."""
-        hp, g = self.hp, self.hp.group_size
+        hp, g = self.hp, self.hp.samples_per_prompt
         max_draws = self.parts.dynamic_sampling_batches or 1
         dynamic = self.parts.dynamic_sampling_batches is not None
         kept: list[Samples] = []
@@ -355,7 +367,7 @@ class RLTrainer(EngineLoop):
         out = self.advantage(
             AdvantageInputs(
                 rewards=batch.samples.rewards,
-                group_size=self.hp.group_size,
+                group_size=self.hp.samples_per_prompt,
                 mask=batch.rollout.policy_mask,
                 token_rewards=batch.token_rewards,
                 values=batch.values,

@@ -343,3 +343,40 @@ def test_fp32_policy_sampling_itself_gives_the_old_logprobs_without_a_policy_pas
     res = t.run()
     assert res.adapter_dir is not None
     assert read_metrics(tmp_path)[-1][M.GRAD_NORM] > 0
+
+
+class Recorder(BaseCallback):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.rollouts: dict[int, list[dict[str, Any]]] = {}
+
+    def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:  # type: ignore[override]
+        self.events.append((level, message))
+
+    def on_rollouts(self, step: int, rollouts: list[dict[str, Any]]) -> None:
+        self.rollouts[step] = rollouts
+
+
+def test_openai_compute_multiplier_samples_more_per_prompt_and_reasoning_effort_says_it_has_no_effect(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    raw = make_spec(
+        random_model_dir,
+        arithmetic_data,
+        max_steps=1,
+        batch_size=2,
+        group_size=2,
+        rollouts_logged=256,
+        compute_multiplier=2.0,
+        reasoning_effort="high",
+    )
+    recorder = Recorder()
+    train(parse_spec(raw), output_dir=tmp_path, callback=Callbacks(JsonlFiles(tmp_path), recorder))
+    [step_rollouts] = recorder.rollouts.values()
+    assert len(step_rollouts) == 2 * 4  # 2 prompts × (2 × 2.0) samples, each group's prompt four times in a row
+    prompts = [json.dumps(r["prompt"]) for r in step_rollouts]
+    assert prompts[:4] == [prompts[0]] * 4 and prompts[4:] == [prompts[4]] * 4
+    assert (
+        "info",
+        f"reasoning_effort 'high' has no effect: the chat template of {random_model_dir} has no thinking mode",
+    ) in recorder.events
