@@ -172,7 +172,11 @@ class Service:
             )
         return file_id
 
-    def create_job(self, spec: dict[str, Any], data: Path, *, enqueued_at: float | None = None) -> str:
+    def create_job(
+        self, spec: dict[str, Any], data: Path, *, enqueued_at: float | None = None, **flags: Any
+    ) -> str:
+        """Insert a job row directly (no message sent); `flags` set further columns in the same insert, so that a
+        sweeper running meanwhile never sees the row without them."""
         train, val = self.upload(data / "train.jsonl"), self.upload(data / "validation.jsonl")
         spec = {**spec, "training_file": train, "validation_file": val}
         job_id = ids.job_id()
@@ -184,11 +188,12 @@ class Service:
                     model=spec["model"],
                     training_file=train,
                     validation_file=val,
-                    status=JobStatus.QUEUED,
+                    status=flags.pop("status", JobStatus.QUEUED),
                     spec=spec,
                     seed=spec.get("seed", 0),
                     suffix="e2e",
                     enqueued_at=time.time() if enqueued_at is None else enqueued_at,
+                    **flags,
                 )
             )
         return job_id

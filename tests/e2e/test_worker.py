@@ -238,10 +238,9 @@ def test_the_sweeper_re_enqueues_a_queued_job_whose_message_was_lost_but_never_a
     old = time.time() - 3600  # none of these was ever sent: as if the broker lost their messages
     spec = grpo_spec(str(random_model_dir), steps=2)
     lost = service.create_job(spec, arithmetic_data, enqueued_at=old)
-    paused = service.create_job(spec, arithmetic_data, enqueued_at=old)
-    cancelled = service.create_job(spec, arithmetic_data, enqueued_at=old)
-    service.set_flag(paused, status="paused")
-    service.set_flag(cancelled, status="cancelled", cancel_requested=True)
+    # Paused and cancelled from their first row: set afterwards, the sweeper could re-enqueue them in between.
+    paused = service.create_job(spec, arithmetic_data, enqueued_at=old, status="paused")
+    cancelled = service.create_job(spec, arithmetic_data, enqueued_at=old, status="cancelled", cancel_requested=True)
 
     job = service.wait_status(lost, "succeeded", "failed")
     assert job.status == "succeeded" and job.attempts == 1
