@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -151,8 +152,16 @@ def _close(stream: IO[bytes] | None) -> None:
         stream.close()
 
 
+CHILD_NICENESS = 10
+"""The checking child yields the CPU to the API's process: on a machine with few cores a large upload's check would
+otherwise take a core from the requests of every other tenant (the upload itself is throttled by it: the API writes
+into the child's pipe only as fast as it checks)."""
+
+
 def main() -> int:
     """The child: a header line with the checker's state, then the rest of the upload; one JSON answer on stdout."""
+    with contextlib.suppress(OSError):
+        os.nice(CHILD_NICENESS)
     stdin = sys.stdin.buffer
     header = json.loads(stdin.readline())
     checker = LineChecker(lines=header["lines"], number=header["number"], rest=bytes.fromhex(header["rest"]))
