@@ -6,10 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 # What the tests need from the system, from Debian's packages: Chromium, which the dashboard's browser tests drive
-# (Playwright's own browser download is not used), and bubblewrap, the python grader's sandbox. Installed when
-# missing, with apt-get: as root, else through sudo.
-SYSTEM_TOOLS := /usr/bin/chromium /usr/bin/bwrap
-SYSTEM_PACKAGES := chromium bubblewrap
+# (Playwright's own browser download is not used), bubblewrap, the python grader's sandbox, and WordNet 3.0, the
+# synonyms of text_similarity's meteor. Installed when missing, with apt-get: as root, else through sudo.
+SYSTEM_TOOLS := /usr/bin/chromium /usr/bin/bwrap /usr/share/wordnet/data.noun
+SYSTEM_PACKAGES := chromium bubblewrap wordnet-base
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: demo test system-tools lint typecheck bench clean
