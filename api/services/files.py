@@ -1,10 +1,10 @@
-"""Files: uploads streamed to the artifact store while every line is checked to be a JSON object whose values the
-service can store and send back (``trainer.json_values``)."""
+"""Files: uploads streamed to the artifact store as they arrive (``api.multipart``: nothing is spooled) while every
+line is checked to be a JSON object whose values the service can store and send back (``trainer.json_values``)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import BinaryIO, Literal
 
 from sqlalchemy.orm import Session
@@ -13,6 +13,7 @@ from api import ids
 from api.auth import Caller
 from api.errors import InvalidRequest, NotFound, PayloadTooLarge, Unavailable
 from api.line_check import CheckerUnavailable, LineError, UploadChecker
+from api.multipart import MultipartError, MultipartUpload
 from api.orm import File, now
 from api.repositories import files as files_repo
 from api.schemas import FILE_PURPOSES
@@ -31,11 +32,32 @@ def storage_key(*, tenant_id: str, file_id: str) -> str:
     return f"files/{tenant_id}/{file_id}.jsonl"
 
 
-def _checked(source: BinaryIO, checker: UploadChecker) -> Iterator[bytes]:
-    while chunk := source.read(CHUNK_BYTES):
+def _checked(chunks: Iterable[bytes], checker: UploadChecker) -> Iterator[bytes]:
+    for chunk in chunks:
         checker.feed(chunk)
         yield chunk
     checker.close()
+
+
+def _check_purpose(purpose: str | None) -> str:
+    if purpose is None:
+        raise InvalidRequest("field required", param="purpose")
+    if purpose not in FILE_PURPOSES:
+        raise InvalidRequest(
+            f"purpose {purpose!r} is not supported; valid: {', '.join(FILE_PURPOSES)}",
+            param="purpose",
+            code="invalid_purpose",
+        )
+    return purpose
+
+
+def _check_filename(filename: str) -> None:
+    if len(filename) > MAX_FILENAME_CHARS:
+        raise InvalidRequest(
+            f"the file name is longer than {MAX_FILENAME_CHARS} characters", param="file", code="invalid_file"
+        )
+    if problem := json_values.string_problem(filename):  # files.filename is text: PostgreSQL cannot hold a NUL
+        raise InvalidRequest(f"the file name {problem}", param="file", code="invalid_file")
 
 
 def upload(
@@ -43,55 +65,55 @@ def upload(
     session: Session,
     store: ArtifactStore,
     tenant: Caller,
-    source: BinaryIO,
-    filename: str,
-    purpose: str,
+    form: MultipartUpload,
     max_bytes: int,
 ) -> File:
-    """Store a JSONL dataset and its row. A bad line, an empty file or one over ``max_bytes`` stores nothing."""
-    if purpose not in FILE_PURPOSES:
-        raise InvalidRequest(
-            f"purpose {purpose!r} is not supported; valid: {', '.join(FILE_PURPOSES)}",
-            param="purpose",
-            code="invalid_purpose",
-        )
-    if len(filename) > MAX_FILENAME_CHARS:
-        raise InvalidRequest(
-            f"the file name is longer than {MAX_FILENAME_CHARS} characters", param="file", code="invalid_file"
-        )
-    if problem := json_values.string_problem(filename):  # files.filename is text: PostgreSQL cannot hold a NUL
-        raise InvalidRequest(f"the file name {problem}", param="file", code="invalid_file")
+    """Store the JSONL dataset of a multipart upload and its row, the file's bytes checked and stored as they
+    stream in. A bad line, an empty file, one over ``max_bytes``, a bad form or a missing or bad ``purpose`` stores
+    nothing. ``purpose`` is checked before the file's bytes when the client sends it first (as OpenAI's clients do),
+    else once they are in."""
+    try:
+        form.open()
+    except MultipartError as err:
+        raise InvalidRequest(str(err), param=err.param) from None
+    if "purpose" in form.fields:
+        _check_purpose(form.fields["purpose"])
+    filename = form.filename or ""
+    _check_filename(filename)
     file_id = ids.file_id()
     key = storage_key(tenant_id=tenant.id, file_id=file_id)
     checker = UploadChecker()
     try:
-        size = store.put_stream(key, _checked(source, checker), max_bytes=max_bytes)
+        size = store.put_stream(key, _checked(form.file_chunks(), checker), max_bytes=max_bytes)
     except TooLarge:
         raise PayloadTooLarge(
             f"the file exceeds the upload limit of {max_bytes} bytes", param="file", code="file_too_large"
         ) from None
     except LineError as err:
         raise InvalidRequest(str(err), param="file", code="invalid_file") from None
+    except MultipartError as err:
+        raise InvalidRequest(str(err), param=err.param) from None
     except CheckerUnavailable as err:
         log.warning("upload not stored: %s", err)
         raise Unavailable("the file could not be checked right now: retry later", code="checker_unavailable") from None
     finally:
         checker.abort()  # a no-op once the checker has answered
-    row = File(
-        id=file_id,
-        tenant_id=tenant.id,
-        filename=filename or "upload.jsonl",
-        purpose=purpose,
-        bytes=size,
-        lines=checker.lines,
-        storage_key=key,
-        created_at=now(),
-        deleted=False,
-    )
     try:
+        purpose = _check_purpose(form.fields.get("purpose"))
+        row = File(
+            id=file_id,
+            tenant_id=tenant.id,
+            filename=filename or "upload.jsonl",
+            purpose=purpose,
+            bytes=size,
+            lines=checker.lines,
+            storage_key=key,
+            created_at=now(),
+            deleted=False,
+        )
         return files_repo.add(session, row=row)
     except BaseException:
-        store.delete(key)  # the row did not make it: leave no orphan object
+        store.delete(key)  # no row: leave no orphan object
         raise
 
 

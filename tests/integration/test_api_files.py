@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -83,6 +85,109 @@ class TestUpload:
         r = upload(api, content)
         assert r.status_code == 200, r.text
         assert r.json()["lines"] == n + 1
+
+
+BOUNDARY = "proxima-test-boundary"
+
+
+def form(*parts: tuple[str, str | None, bytes], close: bool = True) -> bytes:
+    """A multipart/form-data body of (field name, file name or None, bytes) parts, in this order."""
+    out = b""
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename is not None else "")
+        out += f"--{BOUNDARY}\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + data + b"\r\n"
+    return out + (f"--{BOUNDARY}--\r\n".encode() if close else b"")
+
+
+def post_form(api: httpx.Client, body: bytes | Iterator[bytes]) -> httpx.Response:
+    headers = {"content-type": f"multipart/form-data; boundary={BOUNDARY}"}
+    return api.post("/v1/files", content=body, headers=headers)
+
+
+class TestStreamedForm:
+    """The upload's form is read as it streams in (api.multipart), in whatever order its parts come."""
+
+    def test_purpose_after_the_file_is_read_too(self, api: httpx.Client, artifact_store: Any, tenant_a: Tenant) -> None:
+        content = jsonl(prompts(2))
+        r = post_form(api, form(("file", "late.jsonl", content), ("purpose", None, b"fine-tune")))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert (body["filename"], body["purpose"], body["lines"], body["bytes"]) == (
+            "late.jsonl",
+            "fine-tune",
+            2,
+            len(content),
+        )
+        assert artifact_store.get_bytes(f"files/{tenant_a.id}/{body['id']}.jsonl") == content
+
+    def test_a_bad_purpose_after_the_file_stores_nothing(
+        self, api: httpx.Client, artifact_store: Any, tenant_a: Tenant
+    ) -> None:
+        before = stored_keys(artifact_store, tenant_a)
+        r = post_form(api, form(("file", "t.jsonl", jsonl(prompts(2))), ("purpose", None, b"assistants")))
+        assert_error(r, 400, param="purpose", code="invalid_purpose")
+        r = post_form(api, form(("file", "t.jsonl", jsonl(prompts(2)))))
+        assert_error(r, 400, param="purpose", message_contains="field required")
+        assert stored_keys(artifact_store, tenant_a) == before
+
+    def test_a_form_without_a_file_is_a_400_naming_file(self, api: httpx.Client) -> None:
+        assert_error(
+            post_form(api, form(("purpose", None, b"fine-tune"))), 400, param="file", message_contains="field required"
+        )
+
+    def test_two_files_are_a_400(self, api: httpx.Client, artifact_store: Any, tenant_a: Tenant) -> None:
+        before = stored_keys(artifact_store, tenant_a)
+        parts = (
+            ("purpose", None, b"fine-tune"),
+            ("file", "a.jsonl", jsonl(prompts(1))),
+            ("file", "b.jsonl", jsonl(prompts(1))),
+        )
+        assert_error(post_form(api, form(*parts)), 400, param="file", message_contains="more than one file")
+        assert stored_keys(artifact_store, tenant_a) == before
+
+    def test_a_body_cut_before_its_closing_boundary_stores_nothing(
+        self, api: httpx.Client, artifact_store: Any, tenant_a: Tenant
+    ) -> None:
+        before = stored_keys(artifact_store, tenant_a)
+        body = form(("purpose", None, b"fine-tune"), ("file", "t.jsonl", jsonl(prompts(3))), close=False)
+        assert_error(post_form(api, body), 400, param="file", message_contains="ended before its closing boundary")
+        assert stored_keys(artifact_store, tenant_a) == before
+
+    def test_a_body_that_is_not_a_multipart_form_is_a_400_naming_file(self, api: httpx.Client) -> None:
+        r = api.post("/v1/files", json={"file": "x", "purpose": "fine-tune"})
+        assert_error(r, 400, param="file", message_contains="multipart/form-data")
+
+    def test_a_long_purpose_is_a_400_naming_it(self, api: httpx.Client) -> None:
+        r = post_form(api, form(("purpose", None, b"p" * 2000), ("file", "t.jsonl", jsonl(prompts(1)))))
+        assert_error(r, 400, param="purpose", message_contains="longer than 1024 bytes")
+
+    def test_the_file_reaches_the_store_while_the_body_is_still_arriving(
+        self, api: httpx.Client, artifact_store: Any, tenant_a: Tenant
+    ) -> None:
+        # Nothing is spooled: before the client has sent the end of the body, the bytes it sent are being written
+        # to the store's temporary object (which Starlette's form parsing would only start once the body was in).
+        folder = artifact_store.path(f"files/{tenant_a.id}")
+        row = json.dumps({"prompt": "p" * 1000, "answer": "1"}).encode() + b"\n"
+        head = form(("purpose", None, b"fine-tune"))[: -len(f"--{BOUNDARY}--\r\n")]
+        head += f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="s.jsonl"\r\n\r\n'.encode()
+        seen: list[int] = []
+
+        def body() -> Iterator[bytes]:
+            yield head
+            for _ in range(4):
+                yield row * 10  # 40 rows: about 41 KB of the 64 KiB limit
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not seen:
+                sizes = [p.stat().st_size for p in folder.glob(".*.tmp")] if folder.exists() else []
+                if sizes and max(sizes) >= 20 * len(row):
+                    seen.append(max(sizes))
+                time.sleep(0.05)
+            yield f"\r\n--{BOUNDARY}--\r\n".encode()
+
+        r = post_form(api, body())
+        assert r.status_code == 200, r.text
+        assert seen, "no temporary object of 20 rows or more while the body's end was held back"
+        assert r.json()["lines"] == 40
 
 
 @pytest.mark.parametrize("in_process_bytes", [1 << 20, 0, 20])  # all here; all in the child; handed over mid-line

@@ -141,9 +141,15 @@ class TestDocument:
     def test_the_upload_purpose_is_an_enum(self, document: dict[str, Any]) -> None:
         from api.schemas import FILE_PURPOSES
 
-        body = document["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
-        form = document["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+        request_body = document["paths"]["/v1/files"]["post"]["requestBody"]
+        form = request_body["content"]["multipart/form-data"]["schema"]
+        assert request_body["required"] is True and form["required"] == ["file", "purpose"]
         assert form["properties"]["purpose"]["enum"] == list(FILE_PURPOSES)
+        assert form["properties"]["file"] == {
+            "type": "string",
+            "contentMediaType": "application/octet-stream",
+            "title": "File",
+        }
 
 
 def test_schemathesis_finds_no_server_error_and_no_answer_against_the_document(
