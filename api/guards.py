@@ -7,7 +7,7 @@
 3. Every body is bounded: the file upload by ``max_upload_bytes`` (plus the multipart framing), any other by
    ``max_request_bytes``. A declared ``Content-Length`` over the limit is refused at once; a body without one
    (chunked) is counted as it streams in and refused with a 413 as soon as the count passes the limit. The route
-   then sees the client gone; what it had spooled (Starlette's unnamed temporary files) goes with it.
+   then sees the client gone; the upload it was streaming to the store (``api.multipart``) leaves nothing stored.
 
 An early answer closes the connection (``connection: close``): the server reads nothing more of that body.
 """
