@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from trainer import graders, grading_pool, reward_model
+from trainer import graders, grading_pool, remote_graders, reward_model
 from trainer import metrics as M
 from trainer.callbacks import Callback
 from trainer.data import PromptItem
@@ -34,6 +34,22 @@ class Scores:
 
 
 _sandbox: PythonSandbox | None = None
+_DEFAULT_REMOTE = remote_graders.RemoteConfig()
+_remote = (_DEFAULT_REMOTE, remote_graders.JudgeBudget(_DEFAULT_REMOTE.max_judge_calls))
+
+
+def configure_remote(config: remote_graders.RemoteConfig) -> None:
+    """This process's remote graders (score_model, label_model, endpoint, cosine): the deployment's judge,
+    embeddings endpoint, URL policy and limits, as the worker hands them to its trainer process (`worker.runner`), and
+    a fresh judge budget of `config.max_judge_calls`. Until it is called, a process has the defaults: no judge, no
+    embeddings, https URLs to public addresses only."""
+    global _remote
+    _remote = (config, remote_graders.JudgeBudget(config.max_judge_calls))
+
+
+def remote_budget() -> remote_graders.JudgeBudget:
+    """This process's judge budget (its `used` count says how many judge calls were made)."""
+    return _remote[1]
 
 
 def python_sandbox() -> PythonSandbox:
@@ -56,11 +72,13 @@ def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[Pr
     """Grade each (text, item) pair: rewards [N] and each named sub-grader's scores [N].
 
     The grader's reward_model leaves are scored first, each over the whole batch in batched forward passes (the
-    model loaded once per process), and its python leaves each over the whole batch in one sandbox
-    (`trainer.sandbox`: the grader's code never runs in this process); the pure graders then run in this process's
-    grading process (`trainer.grading_pool`), each sample within a hard time limit: a sample that exceeds it, or
-    whose grading fails, scores 0.0 (its error is flagged there, as every grading problem is). A python grader that
-    cannot run at all here (no sandbox can start) raises `graders.GraderFailed`."""
+    model loaded once per process), its python leaves each over the whole batch in one sandbox (`trainer.sandbox`:
+    the grader's code never runs in this process), and its remote leaves (a judge, an endpoint, embeddings) over the
+    whole batch with concurrent requests (`trainer.remote_graders`, configured by `configure_remote`); the pure
+    graders then run in this process's grading process (`trainer.grading_pool`), each sample within a hard time
+    limit: a sample that exceeds it, or whose grading fails, scores 0.0 (its error is flagged there, as every grading
+    problem is). A python grader that cannot run at all here (no sandbox can start) raises `graders.GraderFailed`, as
+    does a spent judge budget; a remote leaf this process has no service for raises `graders.GraderError`."""
     names = graders.grader_names(grader)
     rows = [it.item for it in items]
     by_model: dict[str, Tensor] = {}  # the same reward model, prompt and normalisation are scored once
@@ -74,17 +92,23 @@ def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[Pr
         python = graders.grade_python_leaves(grader, python_sandbox(), texts, rows)
     except SandboxUnavailable as err:
         raise graders.GraderFailed(f"python graders cannot run on this worker: {err}") from None
-    model_scores |= python.scores
-    if isinstance(grader, graders.PythonGrader):  # nothing for the grading process to do
+    config, budget = _remote
+    try:
+        remote = remote_graders.grade_remote_leaves(grader, texts, rows, config=config, budget=budget)
+    except remote_graders.BudgetSpent as err:
+        raise graders.GraderFailed(str(err)) from None
+    model_scores |= python.scores | remote.scores
+    batched_errors = [[*p, *r] for p, r in zip(python.errors, remote.errors, strict=True)]
+    if graders.is_batched(grader):  # a python or remote leaf alone: nothing for the grading process to do
         results = [
-            graders.GradeResult(score, {grader.name: score}, tuple(errs))
-            for score, errs in zip(python.scores[grader.name], python.errors, strict=True)
+            graders.GradeResult(score, {grader.name: score}, tuple(dict.fromkeys(errs)))
+            for score, errs in zip(model_scores[grader.name], batched_errors, strict=True)
         ]
     else:
         results = _grade_in_pool(grader, texts, rows, model_scores)
         results = [
-            graders.GradeResult(r.score, r.sub_scores, (*errs, *r.errors)) if errs else r
-            for r, errs in zip(results, python.errors, strict=True)
+            graders.GradeResult(r.score, r.sub_scores, tuple(dict.fromkeys((*errs, *r.errors)))) if errs else r
+            for r, errs in zip(results, batched_errors, strict=True)
         ]
     rewards = torch.tensor([res.score for res in results], dtype=torch.float32)
     sub = {n: torch.zeros(len(texts), dtype=torch.float32) for n in names}

@@ -5,15 +5,18 @@ and its dataset row (`grade`). Strings may hold templates: `{{sample.output_text
 `{{item.<path>}}` a field of the row (dotted path for nesting; a digit indexes a list: `{{item.a.0}}`).
 Strings render verbatim; any other value renders as compact JSON (`3`, `true`, `null`, `{"a": 1}`).
 
-OpenAI's types: `string_check`, `text_similarity` (only `fuzzy_match`), `multi`, `python`. Ours: `numeric_match`,
-`regex`, `length_penalty`, and `reward_model` (the score of a reward model trained by a `reward_model` job). Every
-score is a float. Problems found at grading time (a missing item field, a division by zero in a formula) never
-raise: they are listed in `GradeResult.errors`, each a `GradeError` that says its kind.
+OpenAI's types: `string_check`, `text_similarity`, `multi`, `python`, `score_model`, `label_model` and `endpoint`.
+Ours: `numeric_match`, `regex`, `length_penalty`, and `reward_model` (the score of a reward model trained by a
+`reward_model` job). Every score is a float. Problems found at grading time (a missing item field, a division by zero
+in a formula) never raise: they are listed in `GradeResult.errors`, each a `GradeError` that says its kind.
 
-A `reward_model` grader needs a model and a `python` grader a sandbox, so this module scores neither:
+A `reward_model` grader needs a model, a `python` grader a sandbox, and the remote graders (`score_model` and
+`label_model`: a judge model behind an HTTP endpoint; `endpoint`: the tenant's own grading service; `text_similarity`
+with the `cosine` metric: an embeddings endpoint) the network, so this module scores none of them:
 `trainer.evaluate.grade_batch` scores every reward-model leaf of a batch in batched forward passes
-(`trainer.reward_model`) and every python leaf in one sandbox per batch (`trainer.sandbox`, with the `sample` object
-of `sample_object`), and hands the scores to `grade` as `model_scores`; `grade` without them raises `GraderError`.
+(`trainer.reward_model`), every python leaf in one sandbox per batch (`trainer.sandbox`, with the `sample` object of
+`sample_object`) and every remote leaf over the whole batch, concurrently (`trainer.remote_graders`), and hands the
+scores to `grade` as `model_scores`; `grade` without them raises `GraderError`.
 
 Graders are user input, parsed on the API's request threads: parsing is linear in the grader's size and the size is
 capped (the MAX_* bounds below, each a `GraderError` naming the field), regular expressions run on RE2 (linear-time
@@ -37,6 +40,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
+    PlainValidator,
     StringConstraints,
     TypeAdapter,
     ValidationError,
@@ -45,6 +50,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 from rapidfuzz.distance import Indel
+
+from trainer import url_policy
 
 if TYPE_CHECKING:
     from trainer.sandbox import PythonSandbox, Result
@@ -58,6 +65,9 @@ GRADER_TYPES: tuple[str, ...] = (
     "length_penalty",
     "reward_model",
     "python",
+    "score_model",
+    "label_model",
+    "endpoint",
 )
 
 # Bounds on user input. A grader is parsed where it arrives (the API's request threads, the trainer's config) and
@@ -89,14 +99,44 @@ class GraderError(ValueError):
         self.param = param
 
 
-GradeErrorKind = Literal["invalid_variable", "formula", "timeout", "other", "python_runtime", "python_server"]
+GradeErrorKind = Literal[
+    "invalid_variable",
+    "formula",
+    "timeout",
+    "other",
+    "python_runtime",
+    "python_server",
+    "model_grader_parse",
+    "model_grader_refusal",
+    "model_grader_server",
+    "endpoint_parse",
+    "endpoint_server",
+    "embeddings",
+]
 """What went wrong while grading (OpenAI's grader-run error flags): a template named an item field the row lacks, a
 multi grader's `calculate_output` failed, grading one sample took longer than its time limit (trainer.grading_pool),
 anything else; a python grader's code failed (`python_runtime`: it raised, returned something that is not a finite
 number, or its source defines no usable `grade`) or its sandbox stopped it (`python_server`: timeout, CPU limit,
-output limit, crash; the sandbox's kind is the error's `cause`)."""
+output limit, crash; the sandbox's kind is the error's `cause`); a score_model or label_model grader's judge answered
+something that does not parse as its result (`model_grader_parse`: not the JSON asked for, a score outside `range`, a
+label not in `labels`), refused (`model_grader_refusal`) or did not answer (`model_grader_server`: a timeout, a
+connection error or an HTTP error after the retries); an endpoint grader's service answered no `{"score": number}`
+(`endpoint_parse`) or did not answer (`endpoint_server`, or its URL is not allowed); the embeddings of a `cosine`
+text_similarity could not be had (`embeddings`). The remote kinds' `cause` says more (`timeout`, `http_503`, ...)."""
 
-FAILURE_KINDS: frozenset[str] = frozenset({"timeout", "python_runtime", "python_server"})
+FAILURE_KINDS: frozenset[str] = frozenset(
+    {
+        "timeout",
+        "python_runtime",
+        "python_server",
+        "model_grader_parse",
+        "model_grader_refusal",
+        "model_grader_server",
+        "endpoint_parse",
+        "endpoint_server",
+        "embeddings",
+    }
+)
 """The kinds of error that mean the grader produced no score for the sample (scored 0.0): what a job counts as the
 grader failing (`grader/error_rate`, and the job fails when most samples of consecutive steps fail)."""
 
@@ -282,6 +322,8 @@ def fuzzy_match(a: str, b: str) -> float:
 
 
 _SIMILARITY_METRICS: dict[str, Callable[[str, str], float]] = {"fuzzy_match": fuzzy_match}
+REMOTE_SIMILARITY_METRICS: tuple[str, ...] = ("cosine",)
+"""text_similarity metrics that need the network (an embeddings endpoint): scored by `trainer.remote_graders`."""
 
 # The last number of a text: optional sign (not when it is a binary minus as in "10-12"), digits with optional
 # thousands separators ("1,234"), optional decimals and exponent. U+2212 (−) counts as a minus sign.
@@ -504,7 +546,9 @@ class StringCheckGrader(_GraderBase):
 
 
 class TextSimilarityGrader(_GraderBase):
-    """The `evaluation_metric` of rendered input and reference, in [0, 1]; only `fuzzy_match` (fuzzy_match()).
+    """The `evaluation_metric` of rendered input and reference, in [0, 1]: `fuzzy_match` (fuzzy_match()), the metrics
+    of `trainer.similarity`, and `cosine`: the cosine similarity of the two texts' embeddings from the deployment's
+    embeddings endpoint (in [-1, 1]; scored over the batch by `trainer.remote_graders`, not here).
 
     Each rendered text may be at most MAX_SIMILARITY_CHARS long: a sample whose input or reference is longer scores
     0.0 with an error flag (comparing is O(n·m)). `pass_threshold` is accepted as OpenAI has it and does not change
@@ -520,8 +564,8 @@ class TextSimilarityGrader(_GraderBase):
     @field_validator("evaluation_metric")
     @classmethod
     def _known_metric(cls, value: str) -> str:
-        if value not in _SIMILARITY_METRICS:
-            valid = ", ".join(_SIMILARITY_METRICS)
+        if value not in _SIMILARITY_METRICS and value not in REMOTE_SIMILARITY_METRICS:
+            valid = ", ".join([*_SIMILARITY_METRICS, *REMOTE_SIMILARITY_METRICS])
             raise ValueError(f"unsupported evaluation_metric {value!r}; valid: {valid}")
         return value
 
@@ -655,6 +699,256 @@ class PythonGrader(_GraderBase):
         return value
 
 
+# ----------------------------------------------------------------------------------------------------
+# Remote graders: a judge model (score_model, label_model) and the tenant's grading service (endpoint). They are
+# shaped here and scored over whole batches by trainer.remote_graders.
+
+MAX_JUDGE_MESSAGES = 32
+MAX_CONTENT_PARTS = 16
+MAX_JUDGE_MODEL_CHARS = 256
+MAX_LABELS = 64
+MAX_LABEL_CHARS = 256
+MAX_JUDGE_TOKENS = 65_536
+MAX_ENDPOINT_HEADERS = 32
+MAX_HEADER_NAME_CHARS = 256
+MAX_HEADER_VALUE_CHARS = 8_192
+MAX_RATE_LIMIT = 10_000
+_HEADER_NAME_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110's token
+# Headers the HTTP client writes itself (framing, the connection, the pinned Host: trainer.url_policy) or that would
+# route the request elsewhere: a tenant's value for them could break the request or the pinning.
+_RESERVED_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "content-type",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "expect",
+        "proxy-authorization",
+        "proxy-connection",
+    }
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+class TextPart(_Strict):
+    """A text content block of a judge's input message (OpenAI's `input_text`, or `output_text` for an assistant's
+    turn); its text is a template."""
+
+    type: Literal["input_text", "output_text"]
+    text: Template
+
+
+_TEXT_PART_TYPES = ("input_text", "output_text")
+
+
+def _content(value: Any) -> "str | TextPart | list[TextPart]":
+    """A message's content, checked one way by its form (so that an error names one problem, not every form's):
+    a template string, a text block, or a list of 1 to MAX_CONTENT_PARTS text blocks. The content blocks OpenAI also
+    takes (input_image, input_audio) are refused: the judge here takes text."""
+    if isinstance(value, str):
+        if len(value) > MAX_TEMPLATE_CHARS:
+            raise ValueError(f"longer than {MAX_TEMPLATE_CHARS} characters")
+        return _validate_template(value)
+    if isinstance(value, TextPart):
+        return value
+    single = isinstance(value, dict)
+    parts = [value] if single else value
+    if not isinstance(parts, list) or not parts or len(parts) > MAX_CONTENT_PARTS:
+        raise ValueError(f"expected a string, a text block or a list of 1 to {MAX_CONTENT_PARTS} text blocks")
+    out: list[TextPart] = []
+    for i, part in enumerate(parts):
+        where = "" if single else f"[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in _TEXT_PART_TYPES:
+            prefix = f"{where}: " if where else ""
+            raise ValueError(
+                f"{prefix}content blocks of type {kind!r} are not supported: this deployment's judge takes text "
+                f"({', '.join(_TEXT_PART_TYPES)} blocks, or a string)"
+            )
+        try:
+            out.append(TextPart.model_validate(part))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(x) for x in first["loc"])
+            problem = str(first.get("ctx", {}).get("error", first["msg"]))
+            raise ValueError(f"{where}{'.' if where and field else ''}{field}: {problem}") from None
+    return out[0] if single else out
+
+
+def _content_json(value: "str | TextPart | list[TextPart]") -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, TextPart):
+        return value.model_dump()
+    return [part.model_dump() for part in value]
+
+
+class JudgeMessage(_Strict):
+    """One message of a score_model or label_model grader's `input` (OpenAI's EvalItem): a role and a content that is
+    a template string, a text block or a list of text blocks. `{{sample.output_text}}` is the sample to judge."""
+
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Annotated[str | TextPart | list[TextPart], PlainValidator(_content), PlainSerializer(_content_json)]
+    type: Literal["message"] | None = None
+
+    @property
+    def templates(self) -> tuple[str, ...]:
+        if isinstance(self.content, str):
+            return (self.content,)
+        if isinstance(self.content, TextPart):
+            return (self.content.text,)
+        return tuple(part.text for part in self.content)
+
+
+class SamplingParams(_Strict):
+    """OpenAI's `sampling_params` of a score_model grader, sent to the judge as chat-completions parameters
+    (`max_completions_tokens`, OpenAI's spelling, as `max_completion_tokens`)."""
+
+    max_completions_tokens: int | None = Field(default=None, ge=1, le=MAX_JUDGE_TOKENS)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+
+
+def _model_name(value: str) -> str:
+    if not value.strip():
+        raise ValueError("the judge model's name is empty")
+    return value
+
+
+JudgeModelName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_JUDGE_MODEL_CHARS)]
+
+
+class ScoreModelGrader(_GraderBase):
+    """OpenAI's `score_model`: a judge model reads `input` (templates rendered against the sample and the item) and
+    answers OpenAI's structured result `{"steps": [{"description", "conclusion"}, ...], "result": <number>}`; the
+    score is `result`, which must lie in `range` (default [0, 1]).
+
+    `model` names one of the judge models the deployment offers (`PROXIMA_JUDGE_MODELS`); the judge's URL is the
+    deployment's, never the tenant's. An answer that does not parse, or a result outside `range`, scores 0.0 with a
+    `model_grader_parse` error; a refusal `model_grader_refusal`; no answer after the retries `model_grader_server`.
+    `pass_threshold` is accepted (OpenAI's evals have it) and does not change the score.
+    """
+
+    type: Literal["score_model"]
+    model: JudgeModelName
+    input: list[JudgeMessage] = Field(min_length=1, max_length=MAX_JUDGE_MESSAGES)
+    range: list[float] = Field(default_factory=lambda: [0.0, 1.0])
+    sampling_params: SamplingParams | None = None
+    pass_threshold: float | None = Field(default=None, allow_inf_nan=False)
+
+    @field_validator("model")
+    @classmethod
+    def _named(cls, value: str) -> str:
+        return _model_name(value)
+
+    @field_validator("range")
+    @classmethod
+    def _valid_range(cls, value: list[float]) -> list[float]:
+        if len(value) != 2 or not value[0] < value[1]:
+            raise ValueError(f"expected [low, high] with low < high, got {value}")
+        return [float(v) for v in value]
+
+
+class LabelModelGrader(_GraderBase):
+    """OpenAI's `label_model`: a judge model reads `input` and answers one of `labels` (structured output
+    `{"steps": [...], "result": "<label>"}`); the score is 1.0 when that label is one of `passing_labels`, else 0.0.
+    An answer that is not one of `labels` scores 0.0 with a `model_grader_parse` error."""
+
+    type: Literal["label_model"]
+    model: JudgeModelName
+    input: list[JudgeMessage] = Field(min_length=1, max_length=MAX_JUDGE_MESSAGES)
+    labels: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_LABEL_CHARS)]] = Field(
+        min_length=1, max_length=MAX_LABELS
+    )
+    passing_labels: list[str] = Field(min_length=1, max_length=MAX_LABELS)
+
+    @field_validator("model")
+    @classmethod
+    def _named(cls, value: str) -> str:
+        return _model_name(value)
+
+    @field_validator("labels")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        repeated = sorted({label for label in value if value.count(label) > 1})
+        if repeated:
+            raise ValueError(f"labels must be distinct; repeated: {repeated}")
+        return value
+
+    @field_validator("passing_labels")
+    @classmethod
+    def _subset(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        labels = info.data.get("labels")
+        if labels is not None:  # else the labels failed validation and are reported on their own
+            unknown = [label for label in value if label not in labels]
+            if unknown:
+                raise ValueError(f"{unknown} not among labels {labels}; passing_labels must be a subset of labels")
+        return value
+
+
+def _check_headers(value: dict[str, str] | None) -> dict[str, str] | None:
+    if value is None:
+        return value
+    if len(value) > MAX_ENDPOINT_HEADERS:
+        raise ValueError(f"at most {MAX_ENDPOINT_HEADERS} headers are allowed")
+    for name, text in value.items():
+        if len(name) > MAX_HEADER_NAME_CHARS or not _HEADER_NAME_RE.fullmatch(name):
+            raise ValueError(f"{name[:40]!r} is not a valid header name")
+        if name.lower() in _RESERVED_HEADERS or name.lower().startswith("proxy-"):
+            raise ValueError(f"header {name!r} is set by the service and cannot be given")
+        if len(text) > MAX_HEADER_VALUE_CHARS:
+            raise ValueError(f"header {name!r}: its value is longer than {MAX_HEADER_VALUE_CHARS} characters")
+        if not all(c == "\t" or " " <= c <= "~" for c in text):
+            raise ValueError(f"header {name!r}: its value may hold printable ASCII characters only")
+    return value
+
+
+class EndpointGrader(_GraderBase):
+    """The `endpoint` grader of OpenAI's agent-RFT preview: the tenant's own grading service at `url`.
+
+    Each sample is one `POST url` with JSON `{"sample": <OpenAI's sample object>, "item": <the dataset row>,
+    "trace_id": "trace_<hex>"}` and `headers`, answered by `{"score": <number>}` (the score, not clipped). Requests
+    start at most `rate_limit` per second (none: no limit beyond the deployment's concurrency). A sample whose request
+    fails (timeout, connection error, HTTP 5xx or 429) is retried with backoff; after the retries, or on another HTTP
+    error, it is discarded: scored 0.0 with an `endpoint_server` error; an answer that is not `{"score": number}` is an
+    `endpoint_parse` error. `pass_threshold` is accepted as OpenAI has it and does not change the score.
+
+    The URL must be `http(s)://`, without credentials or fragment; whether this deployment allows it (its scheme and
+    the addresses its host resolves to: no internal addresses by default) is checked where the grader arrives and
+    again at every batch (trainer.url_policy).
+    """
+
+    type: Literal["endpoint"]
+    url: str
+    headers: dict[str, str] | None = None
+    rate_limit: int | None = Field(default=None, ge=1, le=MAX_RATE_LIMIT)
+    pass_threshold: float | None = Field(default=None, allow_inf_nan=False)
+
+    @field_validator("url")
+    @classmethod
+    def _url_form(cls, value: str) -> str:
+        try:
+            url_policy.parse_url(value)
+        except url_policy.UrlRefused as err:
+            raise ValueError(str(err)) from None
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _valid_headers(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return _check_headers(value)
+
+
 class MultiGrader(_GraderBase):
     """`calculate_output` evaluated over the scores of `graders`, each bound to its key.
 
@@ -700,7 +994,10 @@ Grader = Annotated[
     | RegexGrader
     | LengthPenaltyGrader
     | RewardModelGrader
-    | PythonGrader,
+    | PythonGrader
+    | ScoreModelGrader
+    | LabelModelGrader
+    | EndpointGrader,
     Field(discriminator="type"),
 ]
 _LeafGrader = (
@@ -711,7 +1008,12 @@ _LeafGrader = (
     | LengthPenaltyGrader
     | RewardModelGrader
     | PythonGrader
+    | ScoreModelGrader
+    | LabelModelGrader
+    | EndpointGrader
 )
+RemoteGrader = ScoreModelGrader | LabelModelGrader | EndpointGrader | TextSimilarityGrader
+"""The leaves `trainer.remote_graders` scores (a text_similarity only with a metric of REMOTE_SIMILARITY_METRICS)."""
 
 MultiGrader.model_rebuild()
 _GRADER_ADAPTER: TypeAdapter[Grader] = TypeAdapter(Grader)
@@ -853,6 +1155,8 @@ def _score_leaf(grader: _LeafGrader, ctx: _Context, path: str) -> float:
         case StringCheckGrader():
             return float(_STRING_OPERATIONS[grader.operation](render(grader.input), render(grader.reference)))
         case TextSimilarityGrader():
+            if grader.evaluation_metric in REMOTE_SIMILARITY_METRICS:
+                return _batched_score(grader, ctx, path, "embeddings endpoint")
             texts = {"input": render(grader.input), "reference": render(grader.reference)}
             for field, text in texts.items():
                 if len(text) > MAX_SIMILARITY_CHARS:
@@ -906,8 +1210,22 @@ def _score_leaf(grader: _LeafGrader, ctx: _Context, path: str) -> float:
                     "(trainer.evaluate.grade_batch), not here"
                 )
             return float(ctx.model_scores[path])
+        case ScoreModelGrader() | LabelModelGrader():
+            return _batched_score(grader, ctx, path, "judge model")
+        case EndpointGrader():
+            return _batched_score(grader, ctx, path, "grading service")
         case _:
             assert_never(grader)
+
+
+def _batched_score(grader: RemoteGrader, ctx: _Context, path: str, what: str) -> float:
+    """A remote leaf's score, computed over the batch by trainer.remote_graders; GraderError when it is missing."""
+    if path not in ctx.model_scores:
+        raise GraderError(
+            f"grader {grader.name!r}: {grader.type} graders call a {what} over batches of samples "
+            "(trainer.remote_graders), not here"
+        )
+    return float(ctx.model_scores[path])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -922,8 +1240,10 @@ def _templates(grader: _LeafGrader) -> tuple[str, ...]:
             return (grader.input,)
         case RewardModelGrader():
             return tuple(m.content for m in grader.prompt or ())
-        case PythonGrader():
+        case PythonGrader() | EndpointGrader():
             return ()
+        case ScoreModelGrader() | LabelModelGrader():
+            return tuple(t for m in grader.input for t in m.templates)
         case _:
             assert_never(grader)
 
@@ -976,6 +1296,54 @@ def model_graders(grader: Grader) -> list[tuple[str, RewardModelGrader]]:
     return out
 
 
+def keyed_leaves(grader: Grader, param: str = "grader") -> list[tuple[str, str, _LeafGrader]]:
+    """(key, param path, leaf) of every leaf, depth first: the key as `grade` keys sub_scores and reads
+    `model_scores` (`judge`, `quality.judge`; a lone leaf is keyed by its name), the param path as the API names the
+    leaf's fields (`grader`, `grader.graders.quality.graders.judge`)."""
+    if not isinstance(grader, MultiGrader):
+        return [(grader.name, param, grader)]
+    out: list[tuple[str, str, _LeafGrader]] = []
+    for key, child in grader.graders.items():
+        child_param = f"{param}.graders.{key}"
+        if isinstance(child, MultiGrader):
+            out.extend((f"{key}.{path}", p, leaf) for path, p, leaf in keyed_leaves(child, child_param))
+        else:
+            out.append((key, child_param, child))
+    return out
+
+
+def is_remote(leaf: _LeafGrader) -> bool:
+    """Whether `trainer.remote_graders` scores the leaf (it calls a judge, an endpoint or an embeddings endpoint)."""
+    if isinstance(leaf, TextSimilarityGrader):
+        return leaf.evaluation_metric in REMOTE_SIMILARITY_METRICS
+    return isinstance(leaf, ScoreModelGrader | LabelModelGrader | EndpointGrader)
+
+
+def remote_graders(grader: Grader, param: str = "grader") -> list[tuple[str, str, RemoteGrader]]:
+    """(key, param path, leaf) of every remote leaf (`is_remote`), as `keyed_leaves` gives them."""
+    out: list[tuple[str, str, RemoteGrader]] = []
+    for key, path, leaf in keyed_leaves(grader, param):
+        if is_remote(leaf):
+            assert isinstance(leaf, ScoreModelGrader | LabelModelGrader | EndpointGrader | TextSimilarityGrader)
+            out.append((key, path, leaf))
+    return out
+
+
+def is_batched(grader: Grader) -> bool:
+    """Whether the whole grader is one leaf scored over batches outside the grading process (python or remote): its
+    batch scores are its results, with nothing left for `grade` to combine."""
+    return not isinstance(grader, MultiGrader) and (isinstance(grader, PythonGrader) or is_remote(grader))
+
+
+def render(
+    template: str, grader_name: str, *, output_text: str, item: Mapping[str, Any]
+) -> tuple[str, list[GradeError]]:
+    """A template filled with the sample and the item, and the problems met (a missing item field renders as '' and
+    adds an `invalid_variable` error), as every grader renders its templates."""
+    ctx = _Context(output_text=output_text, item=item, errors=[], model_scores={})
+    return _render(template, grader_name, ctx), ctx.errors
+
+
 def python_graders(grader: Grader) -> list[tuple[str, PythonGrader]]:
     """(key, grader) of every python leaf, keyed as `grade` keys sub_scores and reads `model_scores` (`py`,
     `quality.py`)."""
@@ -1004,6 +1372,24 @@ def python_grader_params(grader: dict[str, Any], path: str = "grader") -> list[t
     for key, child in grader["graders"].items():
         if isinstance(child, dict):
             out.extend(python_grader_params(child, f"{path}.graders.{key}"))
+    return out
+
+
+def batched_leaf_params(grader: dict[str, Any], path: str = "grader") -> list[str]:
+    """The param paths of the leaves of a grader in its JSON form (validated or not) that are scored over batches
+    outside the grading process: python and remote leaves (`is_batched`, `is_remote`), found by their `type` (and a
+    text_similarity's `evaluation_metric`) alone."""
+    kind = grader.get("type")
+    if kind in ("python", "score_model", "label_model", "endpoint") or (
+        kind == "text_similarity" and grader.get("evaluation_metric") in REMOTE_SIMILARITY_METRICS
+    ):
+        return [path]
+    if kind != "multi" or not isinstance(grader.get("graders"), dict):
+        return []
+    out: list[str] = []
+    for key, child in grader["graders"].items():
+        if isinstance(child, dict):
+            out.extend(batched_leaf_params(child, f"{path}.graders.{key}"))
     return out
 
 

@@ -18,6 +18,9 @@ An unexpected error is reported as ``trainer_error`` with the exception's class 
 stderr, which the worker writes to its own log, never to the job.
 
 ``RUN_DIR/spec.json`` holds the spec with local paths; ``RUN_DIR/checkpoints/`` may hold the checkpoint to resume.
+The deployment's remote graders (judge, embeddings, endpoint URL policy: ``trainer.remote_graders.RemoteConfig``, API
+keys included) come as JSON in the environment variable ``REMOTE_GRADERS_ENV``, which the runner removes from its
+environment as it starts, so that no process it starts (grading processes, sandboxes) inherits the keys.
 
 Test-only: ``PROXIMA_TEST_TRAINER_HANG=start`` in its environment makes the trainer stuck from its start, as a step
 stuck in native code would be: it ignores SIGTERM and blocks holding the GIL, so that neither a stop request nor its
@@ -46,6 +49,7 @@ EXIT_ERROR = 1
 EXIT_ORPHANED = 3
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 HANG_ENV = "PROXIMA_TEST_TRAINER_HANG"
+REMOTE_GRADERS_ENV = "PROXIMA_RUNNER_REMOTE_GRADERS"
 SUMMARY_CHARS = 300
 
 
@@ -166,6 +170,7 @@ def _watch_stdin(stop: threading.Event, pipe: Pipe, progress: Progress) -> None:
 
 def main(run_dir: Path) -> int:
     die_with_parent()
+    remote_graders = os.environ.pop(REMOTE_GRADERS_ENV, None)
     if os.environ.get(HANG_ENV) == "start":
         _hang_as_if_stuck()
     # Messages get a private copy of stdout; fd 1 then points at stderr so stray prints cannot corrupt them.
@@ -180,10 +185,14 @@ def main(run_dir: Path) -> int:
         from transformers.utils import logging as hf_logging
 
         from trainer.config import parse_spec
+        from trainer.evaluate import configure_remote
         from trainer.models import ModelError
+        from trainer.remote_graders import RemoteConfig
         from trainer.train import build_trainer
 
         hf_logging.disable_progress_bar()
+        if remote_graders is not None:
+            configure_remote(RemoteConfig.model_validate_json(remote_graders))
         spec = parse_spec(json.loads((run_dir / "spec.json").read_text()))
         try:
             trainer = build_trainer(spec, output_dir=run_dir, callback=_make_callback(pipe, stop, progress))

@@ -49,6 +49,7 @@ from api import ids
 from api.db import session_scope
 from api.orm import now
 from api.repositories import runs
+from api.services import graders as graders_service
 from api.services.jobs import reward_model_refs
 from api.settings import Settings
 from api.status import JobStatus
@@ -62,6 +63,7 @@ from worker.errors import ErrorCode, JobError
 from worker.lease import Heartbeat
 from worker.outbox import DatabaseUnavailable, Outbox, Write, is_transient, retry_db
 from worker.redact import Redactor
+from worker.runner import REMOTE_GRADERS_ENV
 from worker.trainer_process import Ended, TrainerProcess
 from worker.validation import dataset_message, download_dataset, validate_files
 
@@ -410,7 +412,8 @@ class _Runner:
             heartbeat.done.set()
 
     def _supervise(self, heartbeat: Heartbeat) -> str | _KilledBySomeoneElse:
-        trainer = TrainerProcess(self.run_dir, stop_grace_s=self.stop_grace_s)
+        remote = graders_service.remote_config(self.settings).model_dump_json()  # judge and embeddings keys included
+        trainer = TrainerProcess(self.run_dir, stop_grace_s=self.stop_grace_s, env={REMOTE_GRADERS_ENV: remote})
         outbox = Outbox(may_write=heartbeat.holds)
         final: msg.Done | msg.Error | None = None
         next_poll = 0.0

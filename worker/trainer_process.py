@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
@@ -47,7 +48,10 @@ class Ended(Exception):
 
 
 class TrainerProcess:
-    def __init__(self, run_dir: Path, *, stop_grace_s: float) -> None:
+    def __init__(self, run_dir: Path, *, stop_grace_s: float, env: Mapping[str, str] | None = None) -> None:
+        """Start `python -m worker.runner RUN_DIR`; `env`: variables added to this process's for it (the remote
+        graders' configuration, with its API keys: in the environment, never on the command line, which any user of
+        the machine can read)."""
         self.stop_grace_s = stop_grace_s
         self.stderr_path = run_dir / "stderr.log"
         with self.stderr_path.open("ab") as err_file:
@@ -58,7 +62,7 @@ class TrainerProcess:
                 stderr=err_file,
                 text=True,
                 encoding="utf-8",
-                env={**os.environ, msg.PARENT_PID_ENV: str(os.getpid())},
+                env={**os.environ, **(env or {}), msg.PARENT_PID_ENV: str(os.getpid())},
             )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.pid = self.proc.pid

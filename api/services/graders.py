@@ -10,6 +10,16 @@ in the same bound: its source is checked there (`check_source`: it parses and de
 validate, run and job creation, and run grades the sample there. Its failures are OpenAI's
 `python_grader_runtime_error` (with details) and `python_grader_server_error` (with its type: timeout, cpu_limit,
 output_limit, crash); a sandbox that cannot start here is a 400 `sandbox_unavailable` saying why.
+
+The remote graders (`score_model`, `label_model`, `endpoint`, text_similarity's `cosine`: `trainer.remote_graders`)
+are checked against the deployment's configuration (`remote_config`) by validate, run and job creation: a judge model
+the deployment does not offer is a 400 naming `…model` (`model_not_available`), a model grader where no judge is
+configured `judge_unavailable`, cosine without an embeddings endpoint `embeddings_unavailable` (naming
+`…evaluation_metric`), an endpoint URL the policy refuses (its scheme, or an address its host resolves to)
+`url_not_allowed` naming `…url`. Run calls them from the same waiting threads, with shorter limits than training's
+(DRY_RUN_TIMEOUT_S a request, DRY_RUN_MAX_RETRIES retries, DRY_RUN_DEADLINE_S in all); their failures are OpenAI's
+`model_grader_parse_error`, `model_grader_refusal_error` and `model_grader_server_error` (with details), and for an
+endpoint `unresponsive_reward_error` (no answer) or `other_error` (an answer that is not a score).
 """
 
 from __future__ import annotations
@@ -21,13 +31,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from api.errors import ApiError, InvalidRequest, Unavailable
 from api.schemas import GraderRunErrors, GraderRunMetadata, GraderRunResponse
-from trainer import graders
+from api.settings import Settings
+from trainer import graders, remote_graders
 from trainer.grading_pool import GradedBatch, GradingPool, GradingTimeout, GradingUnavailable, Sample
+from trainer.remote_graders import EmbeddingsConfig, JudgeConfig, RemoteConfig
 from trainer.sandbox import PythonSandbox, SandboxConfig, SandboxUnavailable, sandbox_available
+from trainer.url_policy import UrlRefused
 
 POOL_SIZE = 2
 """Grading processes of one API process: dry-runs of different requests run side by side up to this many."""
@@ -40,6 +54,11 @@ WAITERS = 8
 more dry-runs than POOL_SIZE may run at once when some are python graders)."""
 SANDBOX = SandboxConfig(sample_timeout_s=SAMPLE_TIMEOUT_S, startup_timeout_s=SAMPLE_TIMEOUT_S, cpu_seconds=30)
 """The python graders' sandbox of a dry-run: the hard limit of the others, for its start and its sample each."""
+DRY_RUN_TIMEOUT_S = 15.0
+"""The time limit of one request of a dry-run's remote grader (at most the deployment's)."""
+DRY_RUN_MAX_RETRIES = 1
+DRY_RUN_DEADLINE_S = 30.0
+"""A dry-run's remote graders answer within this, retries included, or their sample fails with cause `deadline`."""
 
 
 T = TypeVar("T")
@@ -148,12 +167,57 @@ def check_python_sources(grader: dict[str, Any], *, param: str) -> None:
         ) from None
 
 
-def check_job_grader(grader: dict[str, Any], *, param: str) -> None:
-    """Job creation's check of a validated grader's python sources (`check_python_sources`, counted against
-    MAX_IN_FLIGHT with the dry-runs); nothing to do for a grader without python leaves."""
+def remote_config(settings: Settings) -> RemoteConfig:
+    """The deployment's remote graders as the trainer takes them (`trainer.remote_graders.RemoteConfig`): the judge
+    and its models, the embeddings endpoint, the URL policy of endpoint graders and the limits of every request. The
+    worker hands it to each trainer process (`worker.runner`); the dry-runs use it with shorter limits."""
+    judge = None
+    if settings.judge_base_url:
+        key = settings.judge_api_key.get_secret_value() if settings.judge_api_key else None
+        judge = JudgeConfig(base_url=settings.judge_base_url, api_key=key, models=dict(settings.judge_models))
+    embeddings = None
+    if settings.embeddings_base_url and settings.embeddings_model:
+        key = settings.embeddings_api_key.get_secret_value() if settings.embeddings_api_key else None
+        embeddings = EmbeddingsConfig(
+            base_url=settings.embeddings_base_url, api_key=key, model=settings.embeddings_model
+        )
+    return RemoteConfig(
+        judge=judge,
+        embeddings=embeddings,
+        url_schemes=tuple(settings.grader_url_schemes),
+        allow_networks=tuple(settings.grader_url_allow_networks),
+        deny_networks=tuple(settings.grader_url_deny_networks),
+        timeout_s=settings.grader_http_timeout_s,
+        max_retries=settings.grader_http_max_retries,
+        concurrency=settings.grader_http_concurrency,
+        max_judge_calls=settings.judge_max_calls_per_job,
+    )
+
+
+def check_remote_graders(grader: graders.Grader, config: RemoteConfig, *, param: str) -> None:
+    """400 naming the field when a remote leaf cannot run on this deployment: its judge model is not offered (or no
+    judge is configured), cosine has no embeddings endpoint, or an endpoint grader's URL is refused by the policy
+    (after resolving its host: blocks its thread on DNS, so call it from a waiting thread or a sync route)."""
+    for _, path, leaf in graders.remote_graders(grader, param):
+        if (missing := remote_graders.missing_service(leaf, config, path)) is not None:
+            raise InvalidRequest(str(missing), param=missing.param, code=missing.code)
+        if isinstance(leaf, graders.EndpointGrader):
+            try:
+                config.url_policy.resolve_sync(leaf.url)
+            except UrlRefused as err:
+                raise InvalidRequest(f"{path}.url: {err}", param=f"{path}.url", code="url_not_allowed") from None
+
+
+def check_job_grader(grader: dict[str, Any], *, param: str, settings: Settings) -> None:
+    """Job creation's check of a validated grader: its python sources (`check_python_sources`, counted against
+    MAX_IN_FLIGHT with the dry-runs) and its remote leaves (`check_remote_graders`)."""
     if graders.python_grader_params(grader, param):
         with _api_errors():
             _grading.call_sync(lambda _: check_python_sources(grader, param=param))
+    with _api_errors():
+        parsed = graders.parse_grader(grader)  # validated by the spec already: linear and bounded
+    if graders.remote_graders(parsed):
+        check_remote_graders(parsed, remote_config(settings), param=param)
 
 
 @contextmanager
@@ -174,16 +238,18 @@ async def _grade(work: Callable[[GradingPool], T]) -> T:
         return await _grading.call(work)
 
 
-def _validate(pool: GradingPool, grader: dict[str, Any]) -> dict[str, Any]:
+def _validate(pool: GradingPool, grader: dict[str, Any], config: RemoteConfig) -> dict[str, Any]:
     validated = pool.run(grader, []).grader
     check_python_sources(validated, param="grader")
+    check_remote_graders(graders.parse_grader(validated), config, param="grader")
     return validated
 
 
-async def validate(*, grader: dict[str, Any]) -> dict[str, Any]:
+async def validate(*, grader: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """The grader as it will run (defaults filled in); 400 naming the field when it is invalid (a python grader's
-    source included)."""
-    return await _grade(lambda pool: _validate(pool, grader))
+    source included) or cannot run on this deployment (a remote grader's model, metric or URL)."""
+    config = remote_config(settings)
+    return await _grade(lambda pool: _validate(pool, grader, config))
 
 
 def _flags(errors: tuple[graders.GradeError, ...]) -> GraderRunErrors:
@@ -192,29 +258,53 @@ def _flags(errors: tuple[graders.GradeError, ...]) -> GraderRunErrors:
     kinds = {error.kind for error in errors}
     runtime = next((e for e in errors if e.kind == "python_runtime"), None)
     server = next((e for e in errors if e.kind == "python_server"), None)
+    judge = next((e for e in errors if e.kind == "model_grader_server"), None)
     return GraderRunErrors(
         invalid_variable_error="invalid_variable" in kinds,
         formula_parse_error="formula" in kinds,
-        unresponsive_reward_error="timeout" in kinds,
-        other_error="other" in kinds,
+        unresponsive_reward_error=bool(kinds & {"timeout", "endpoint_server"}),
+        other_error=bool(kinds & {"other", "endpoint_parse", "embeddings"}),
         python_grader_runtime_error=runtime is not None,
         python_grader_runtime_error_details=str(runtime) if runtime is not None else None,
         python_grader_server_error=server is not None,
         python_grader_server_error_type=server.cause if server is not None else None,
+        model_grader_parse_error="model_grader_parse" in kinds,
+        model_grader_refusal_error="model_grader_refusal" in kinds,
+        model_grader_server_error=judge is not None,
+        model_grader_server_error_details=str(judge) if judge is not None else None,
     )
 
 
-def _run(
-    pool: GradingPool, grader: dict[str, Any], sample: Sample
-) -> tuple[dict[str, Any], graders.GradeResult, float]:
-    """(the validated grader, the sample's result, its seconds): python leaves in one sandbox each, the rest (and a
-    multi's formula over the python leaves' scores) in a grading process."""
-    if not graders.python_grader_params(grader):  # no python leaf (or an invalid one, which the pool names)
+def dry_run_config(config: RemoteConfig) -> RemoteConfig:
+    """The deployment's remote graders with a dry-run's limits (DRY_RUN_TIMEOUT_S, DRY_RUN_MAX_RETRIES) and no judge
+    budget (a dry-run makes a few calls at most; the in-flight bound limits how many run at once)."""
+    return config.model_copy(
+        update={
+            "timeout_s": min(config.timeout_s, DRY_RUN_TIMEOUT_S),
+            "max_retries": min(config.max_retries, DRY_RUN_MAX_RETRIES),
+            "max_judge_calls": None,
+        }
+    )
+
+
+@dataclass(frozen=True)
+class _RunResult:
+    grader: dict[str, Any]  # as validated
+    result: graders.GradeResult
+    seconds: float
+    token_usage: dict[str, dict[str, int]]
+
+
+def _run(pool: GradingPool, grader: dict[str, Any], sample: Sample, config: RemoteConfig) -> _RunResult:
+    """The validated grader and the sample's result: python leaves in one sandbox each, remote leaves by their
+    services, the rest (and a multi's formula over the batched leaves' scores) in a grading process."""
+    if not graders.batched_leaf_params(grader):  # graded in one round trip (an invalid grader: the pool names it)
         batch = pool.run(grader, [sample])
-        return batch.grader, batch.results[0], batch.seconds[0]
+        return _RunResult(batch.grader, batch.results[0], batch.seconds[0], {})
     validated = pool.run(grader, []).grader
     parsed = graders.parse_grader(validated)  # parsed before, in a grading process: known valid and bounded
     check_python_sources(validated, param="grader")
+    check_remote_graders(parsed, config, param="grader")
     start = time.monotonic()
     try:
         python = graders.grade_python_leaves(parsed, _sandbox(), [sample.output_text], [sample.item])
@@ -222,30 +312,55 @@ def _run(
         raise InvalidRequest(
             f"python graders cannot run on this server: {err}", param="grader", code="sandbox_unavailable"
         ) from None
-    errors = python.errors[0]
-    if isinstance(parsed, graders.PythonGrader):
-        score = python.scores[parsed.name][0]
-        return validated, graders.GradeResult(score, {parsed.name: score}, tuple(errors)), time.monotonic() - start
-    scores = {key: values[0] for key, values in python.scores.items()}
-    batch = pool.run(grader, [Sample(sample.output_text, sample.item, {**sample.model_scores, **scores})])
+    remote = remote_graders.grade_remote_leaves(
+        parsed,
+        [sample.output_text],
+        [sample.item],
+        config=dry_run_config(config),
+        budget=remote_graders.JudgeBudget(None),
+        deadline_s=DRY_RUN_DEADLINE_S,
+    )
+    errors = (*python.errors[0], *remote.errors[0])
+    scores = {key: values[0] for key, values in (python.scores | remote.scores).items()}
+    if graders.is_batched(parsed):
+        score = scores[parsed.name]
+        result = graders.GradeResult(score, {parsed.name: score}, errors)
+        return _RunResult(validated, result, time.monotonic() - start, remote.token_usage)
+    batch = pool.run(validated, [Sample(sample.output_text, sample.item, {**sample.model_scores, **scores})])
     result = batch.results[0]
     merged = graders.GradeResult(result.score, result.sub_scores, (*errors, *result.errors))
-    return validated, merged, time.monotonic() - start
+    return _RunResult(validated, merged, time.monotonic() - start, remote.token_usage)
 
 
-async def run(*, grader: dict[str, Any], model_sample: str, item: dict[str, Any] | None) -> GraderRunResponse:
-    """Score ``model_sample`` against ``item`` as a training step would (a reward_model grader cannot: 400)."""
+async def run(
+    *, grader: dict[str, Any], model_sample: str, item: dict[str, Any] | None, settings: Settings
+) -> GraderRunResponse:
+    """Score ``model_sample`` against ``item`` as a training step would (a reward_model grader cannot: 400). A model
+    grader's judge tokens are reported as OpenAI does (`token_usage`, `model_grader_token_usage_per_model`)."""
     sample = Sample(output_text=model_sample, item=item or {})
-    validated, result, seconds = await _grade(lambda pool: _run(pool, grader, sample))
+    config = remote_config(settings)
+    run = await _grade(lambda pool: _run(pool, grader, sample, config))
+    judge_models = [leaf.model for _, _, leaf in _judge_leaves(run.grader)]
     return GraderRunResponse(
-        reward=result.score,
+        reward=run.result.score,
         metadata=GraderRunMetadata(
-            name=str(validated.get("name", "")),
-            type=str(validated.get("type", "")),
-            errors=_flags(result.errors),
-            execution_time=seconds,
-            scores=dict(result.sub_scores),
-            error_messages=list(result.errors),
+            name=str(run.grader.get("name", "")),
+            type=str(run.grader.get("type", "")),
+            errors=_flags(run.result.errors),
+            execution_time=run.seconds,
+            scores=dict(run.result.sub_scores),
+            token_usage=sum(u["total_tokens"] for u in run.token_usage.values()) if run.token_usage else None,
+            sampled_model_name=judge_models[0] if judge_models else None,
+            error_messages=list(run.result.errors),
         ),
-        sub_rewards=dict(result.sub_scores),
+        sub_rewards=dict(run.result.sub_scores),
+        model_grader_token_usage_per_model=dict(run.token_usage),
     )
+
+
+def _judge_leaves(grader: dict[str, Any]) -> list[tuple[str, str, graders.ScoreModelGrader | graders.LabelModelGrader]]:
+    return [
+        (key, path, leaf)
+        for key, path, leaf in graders.remote_graders(graders.parse_grader(grader))
+        if isinstance(leaf, graders.ScoreModelGrader | graders.LabelModelGrader)
+    ]

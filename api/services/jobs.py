@@ -207,8 +207,8 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
         )
     spec_json = spec.to_json()
     grader = spec_json["method"][spec.method.type].get("grader")
-    if isinstance(grader, dict):  # a python grader's source parses and defines grade (checked in a sandbox)
-        graders_service.check_job_grader(grader, param=f"method.{spec.method.type}.grader")
+    if isinstance(grader, dict):  # python sources (checked in a sandbox), remote graders' models, metrics and URLs
+        graders_service.check_job_grader(grader, param=f"method.{spec.method.type}.grader", settings=settings)
     _resolve_reward_models(session, tenant=tenant, spec_json=spec_json)
     value_model = getattr(spec.method.hyperparameters, "value_model", None)
     if value_model is not None and value_model not in settings.base_models:

@@ -8,14 +8,17 @@ from trainer.graders import (
     GRADER_TYPES,
     MAX_FORMULA_CHARS,
     MAX_REGEX_INPUT_CHARS,
+    EndpointGrader,
     GraderError,
     GradeResult,
+    LabelModelGrader,
     LengthPenaltyGrader,
     MultiGrader,
     NumericMatchGrader,
     PythonGrader,
     RegexGrader,
     RewardModelGrader,
+    ScoreModelGrader,
     StringCheckGrader,
     TextSimilarityGrader,
     check_item,
@@ -90,6 +93,22 @@ class TestParse:
             "length_penalty": (length(max_chars=10), LengthPenaltyGrader),
             "reward_model": ({"type": "reward_model", "name": "rm", "model": "runs/rm"}, RewardModelGrader),
             "python": ({"type": "python", "name": "py", "source": "def grade(s, i):\n    return 1.0\n"}, PythonGrader),
+            "score_model": (
+                {"type": "score_model", "name": "j", "model": "judge", "input": [{"role": "user", "content": "x"}]},
+                ScoreModelGrader,
+            ),
+            "label_model": (
+                {
+                    "type": "label_model",
+                    "name": "l",
+                    "model": "judge",
+                    "input": [{"role": "user", "content": "x"}],
+                    "labels": ["yes", "no"],
+                    "passing_labels": ["yes"],
+                },
+                LabelModelGrader,
+            ),
+            "endpoint": ({"type": "endpoint", "name": "e", "url": "https://grader.example.com/"}, EndpointGrader),
         }
         assert set(examples) == set(GRADER_TYPES)
         for grader_type, (obj, model) in examples.items():
@@ -103,7 +122,8 @@ class TestParse:
     def test_unknown_type_lists_valid_types(self) -> None:
         assert parse_error({"type": "lua", "name": "x", "source": "..."}) == (
             "grader.type: unknown grader type 'lua'; valid types: "
-            "string_check, text_similarity, multi, numeric_match, regex, length_penalty, reward_model, python"
+            "string_check, text_similarity, multi, numeric_match, regex, length_penalty, reward_model, python, "
+            "score_model, label_model, endpoint"
         )
 
     def test_missing_type_is_named(self) -> None:
@@ -130,8 +150,8 @@ class TestParse:
         assert message == "grader.graders.inner.graders.x.bogus: unknown field 'bogus' is not permitted"
 
     def test_unknown_type_inside_multi_names_the_key(self) -> None:
-        message = parse_error(multi("acc", {"acc": {"type": "score_model", "name": "judge"}}))
-        assert message.startswith("grader.graders.acc.type: unknown grader type 'score_model'; valid types: ")
+        message = parse_error(multi("acc", {"acc": {"type": "lua_model", "name": "judge"}}))
+        assert message.startswith("grader.graders.acc.type: unknown grader type 'lua_model'; valid types: ")
 
     def test_several_errors_are_all_reported(self) -> None:
         obj = {**string_check(operation="contains"), "zz": 1}
@@ -300,9 +320,9 @@ class TestTextSimilarity:
         assert score(similarity(pass_threshold=0.9), "abcd", {"answer": "abce"}) == 0.75
 
     def test_unknown_metric_lists_valid_ones(self) -> None:
-        assert parse_error(similarity(evaluation_metric="bleu")) == (
-            "grader.evaluation_metric: unsupported evaluation_metric 'bleu'; valid: fuzzy_match"
-        )
+        message = parse_error(similarity(evaluation_metric="jaccard"))
+        assert message.startswith("grader.evaluation_metric: unsupported evaluation_metric 'jaccard'; valid: fuzzy_")
+        assert message.endswith(", cosine")  # the metric scored with the deployment's embeddings, last
 
 
 class TestNumericMatch:
