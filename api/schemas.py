@@ -299,9 +299,13 @@ class GraderValidateResponse(BaseModel):
 class GraderRunErrors(BaseModel):
     """OpenAI's error flags of a grader run; ours map onto ``invalid_variable_error`` (an item field the templates
     name is missing), ``formula_parse_error`` (a multi grader's formula failed), ``unresponsive_reward_error`` (grading
-    took longer than its limit), ``other_error``, and a python grader's ``python_grader_runtime_error`` (its code
-    raised, returned no finite number or defines no usable ``grade``; the first one's message in ``…_details``) and
-    ``python_grader_server_error`` (its sandbox stopped it; ``…_type``: timeout, cpu_limit, output_limit, crash)."""
+    took longer than its limit, or an endpoint grader's service gave no answer), ``other_error`` (an endpoint's answer
+    that is not a score, cosine without embeddings among others), a python grader's ``python_grader_runtime_error``
+    (its code raised, returned no finite number or defines no usable ``grade``; the first one's message in
+    ``…_details``) and ``python_grader_server_error`` (its sandbox stopped it; ``…_type``: timeout, cpu_limit,
+    output_limit, crash), and a model grader's ``model_grader_parse_error`` (the judge's answer is not the result
+    asked for), ``model_grader_refusal_error`` and ``model_grader_server_error`` (no answer; details in
+    ``…_details``)."""
 
     formula_parse_error: bool = False
     invalid_variable_error: bool = False
