@@ -51,7 +51,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 from rapidfuzz.distance import Indel
 
-from trainer import url_policy
+from trainer import similarity, url_policy
 
 if TYPE_CHECKING:
     from trainer.sandbox import PythonSandbox, Result
@@ -321,7 +321,7 @@ def fuzzy_match(a: str, b: str) -> float:
     return Indel.similarity(a, b) / total if total else 1.0
 
 
-_SIMILARITY_METRICS: dict[str, Callable[[str, str], float]] = {"fuzzy_match": fuzzy_match}
+_SIMILARITY_METRICS: dict[str, Callable[[str, str], float]] = {"fuzzy_match": fuzzy_match, **similarity.METRICS}
 REMOTE_SIMILARITY_METRICS: tuple[str, ...] = ("cosine",)
 """text_similarity metrics that need the network (an embeddings endpoint): scored by `trainer.remote_graders`."""
 
@@ -546,13 +546,14 @@ class StringCheckGrader(_GraderBase):
 
 
 class TextSimilarityGrader(_GraderBase):
-    """The `evaluation_metric` of rendered input and reference, in [0, 1]: `fuzzy_match` (fuzzy_match()), the metrics
-    of `trainer.similarity`, and `cosine`: the cosine similarity of the two texts' embeddings from the deployment's
+    """The `evaluation_metric` of rendered input and reference: `fuzzy_match` (fuzzy_match()); `bleu`, `gleu`,
+    `meteor`, `rouge_1` … `rouge_5`, `rouge_l`, in [0, 1] (trainer.similarity, which says how each is computed with
+    nltk and rouge-score); and `cosine`: the cosine similarity of the two texts' embeddings from the deployment's
     embeddings endpoint (in [-1, 1]; scored over the batch by `trainer.remote_graders`, not here).
 
-    Each rendered text may be at most MAX_SIMILARITY_CHARS long: a sample whose input or reference is longer scores
-    0.0 with an error flag (comparing is O(n·m)). `pass_threshold` is accepted as OpenAI has it and does not change
-    the score.
+    Each rendered text may be at most MAX_SIMILARITY_CHARS long, or `similarity.MAX_CHARS[metric]` (meteor: 10,000):
+    a sample whose input or reference is longer scores 0.0 with an error flag. `pass_threshold` is accepted as OpenAI
+    has it and does not change the score.
     """
 
     type: Literal["text_similarity"]
@@ -564,6 +565,8 @@ class TextSimilarityGrader(_GraderBase):
     @field_validator("evaluation_metric")
     @classmethod
     def _known_metric(cls, value: str) -> str:
+        if value in similarity.UNAVAILABLE:
+            raise ValueError(f"evaluation_metric {value!r} is not available here: {similarity.UNAVAILABLE[value]}")
         if value not in _SIMILARITY_METRICS and value not in REMOTE_SIMILARITY_METRICS:
             valid = ", ".join([*_SIMILARITY_METRICS, *REMOTE_SIMILARITY_METRICS])
             raise ValueError(f"unsupported evaluation_metric {value!r}; valid: {valid}")
@@ -1158,12 +1161,13 @@ def _score_leaf(grader: _LeafGrader, ctx: _Context, path: str) -> float:
             if grader.evaluation_metric in REMOTE_SIMILARITY_METRICS:
                 return _batched_score(grader, ctx, path, "embeddings endpoint")
             texts = {"input": render(grader.input), "reference": render(grader.reference)}
+            max_chars = similarity.MAX_CHARS.get(grader.evaluation_metric, MAX_SIMILARITY_CHARS)
             for field, text in texts.items():
-                if len(text) > MAX_SIMILARITY_CHARS:
+                if len(text) > max_chars:
                     ctx.errors.append(
                         GradeError(
                             f"grader {grader.name!r}: the rendered {field} is {len(text)} characters long; "
-                            f"text_similarity compares texts of at most {MAX_SIMILARITY_CHARS}; scored 0.0",
+                            f"{grader.evaluation_metric} compares texts of at most {max_chars}; scored 0.0",
                             "other",
                         )
                     )

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, get_args
 
-from trainer import graders
+from trainer import graders, similarity
 
 SAMPLE_TIMEOUT_S = 10.0
 """The default time limit of one sample (and of validating the grader). Grading one sample takes microseconds to a
@@ -47,6 +47,10 @@ MAX_TIMEOUTS_PER_BATCH = 3
 a batch takes at most about this many time limits more than its grading, so a cancel never waits on a broken grader."""
 STARTUP_TIMEOUT_S = 60.0
 """How long a grading process may take to start (import its modules); not counted against any sample."""
+PREPARE_TIMEOUT_S = 30.0
+"""The time a grading process is allowed, on top of validating a grader, to load what the grader's text_similarity
+metrics need the first time it meets them (nltk and rouge-score: about a second; meteor's WordNet: 3 to 5 s), so that
+a sample's own limit never pays for it."""
 PROCESS_MEMORY_BYTES = 2 << 30
 """The address space of a grading process (RLIMIT_AS): a grader that would need more fails its sample."""
 MAX_REPLY_BYTES = 64 << 20
@@ -285,13 +289,14 @@ class GradingPool:
     ) -> tuple[dict[str, Any], str | None]:
         """Send one batch and read its replies into `results` and `seconds`: (the validated grader, None) when every
         sample was read, else (…, "timeout" or "failed"), the last result appended being the sample that stopped it."""
+        validate_limit = limit + (PREPARE_TIMEOUT_S if _library_metrics(grader) else 0.0)
         try:
             process.send({"grader": grader, "samples": samples})
-            reply = process.receive(limit)
+            reply = process.receive(validate_limit)
         except _Exited:
             raise GradingTimeout(f"the grading process {process.describe_exit()} while validating the grader") from None
         if reply is None:
-            raise GradingTimeout(f"validating the grader took longer than {limit:g} s")
+            raise GradingTimeout(f"validating the grader took longer than {validate_limit:g} s")
         validated = _validated_grader(reply)
         for _ in samples:
             start = time.monotonic()
@@ -316,6 +321,20 @@ class GradingPool:
         for slot in idle:
             slot.discard(restart=False)
             self._idle.put(slot)  # wakes a run waiting for it, which then sees the pool closed
+
+
+def _library_metrics(grader: Any) -> set[str]:
+    """The text_similarity metrics of a grader in its JSON form (validated or not) that `trainer.similarity`
+    computes with libraries a process loads on first use."""
+    if not isinstance(grader, Mapping):
+        return set()
+    if grader.get("type") == "text_similarity":
+        metric = grader.get("evaluation_metric")
+        return {metric} if isinstance(metric, str) and metric in similarity.METRICS else set()
+    children = grader.get("graders") if grader.get("type") == "multi" else None
+    if not isinstance(children, Mapping):
+        return set()
+    return set().union(*(_library_metrics(child) for child in children.values()))
 
 
 def _next_result(process: GradingProcess, limit: float) -> tuple[graders.GradeResult, str | None]:
@@ -424,7 +443,10 @@ def _serve_batch(grader_json: Any, samples: list[dict[str, Any]], reply: Any) ->
     except graders.GraderError as err:
         reply({"grader_error": {"message": str(err), "param": err.param}})
         return
-    reply({"grader": grader.model_dump(mode="json", exclude_none=True)})
+    validated = grader.model_dump(mode="json", exclude_none=True)
+    for metric in sorted(_library_metrics(validated)):  # loaded before the samples' clocks start (PREPARE_TIMEOUT_S)
+        similarity.prepare(metric)
+    reply({"grader": validated})
     for sample in samples:
         try:
             result = graders.grade(

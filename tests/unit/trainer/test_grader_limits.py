@@ -185,7 +185,7 @@ class TestTextSimilarity:
         [error] = result.errors
         assert error.kind == "other"
         assert error == (
-            f"grader 'sim': the rendered input is {len(text)} characters long; text_similarity compares texts of "
+            f"grader 'sim': the rendered input is {len(text)} characters long; fuzzy_match compares texts of "
             f"at most {MAX_SIMILARITY_CHARS}; scored 0.0"
         )
 
@@ -241,6 +241,12 @@ def test_every_error_kind_has_a_name_the_pool_and_the_api_know() -> None:
         "other",
         "python_runtime",
         "python_server",
+        "model_grader_parse",
+        "model_grader_refusal",
+        "model_grader_server",
+        "endpoint_parse",
+        "endpoint_server",
+        "embeddings",
     }
 
 

@@ -165,3 +165,25 @@ class TestHardTimeLimit:
 )
 def test_a_reply_that_is_not_a_result_is_refused(reply: dict[str, Any]) -> None:
     assert _result(reply) is None
+
+
+def test_a_fresh_process_loads_meteors_wordnet_before_the_first_sample_is_timed() -> None:
+    # WordNet takes seconds to load, once per process: more than this pool's sample limit. Loaded while the grader
+    # is validated (trainer.grading_pool.PREPARE_TIMEOUT_S), the first sample's own limit never pays for it.
+    meteor = {
+        "type": "text_similarity",
+        "name": "meteor",
+        "input": OUTPUT,
+        "reference": "{{item.answer}}",
+        "evaluation_metric": "meteor",
+    }
+    p = GradingPool(size=1, sample_timeout_s=0.5)
+    try:
+        run = p.run(
+            {"type": "multi", "name": "m", "graders": {"m": meteor}, "calculate_output": "m"},
+            [Sample("the car is red", {"answer": "the auto is red"})],
+        )
+    finally:
+        p.close()
+    [result] = run.results
+    assert result.errors == () and result.score == pytest.approx(0.9921875)
