@@ -63,6 +63,15 @@ console = Console(stderr=True, soft_wrap=True)  # messages stay on one line: scr
 def _setup(ctx: typer.Context) -> None:
     if ctx.invoked_subcommand in TRAINER_COMMANDS and (callback := _trainer_commands().callback) is not None:
         callback()  # the trainer's own set-up (quieter libraries), as when its group runs them
+    if ctx.invoked_subcommand in ("train", "eval"):
+        # The deployment's judge, embeddings endpoint and URL policy (PROXIMA_JUDGE_*, PROXIMA_EMBEDDINGS_*,
+        # PROXIMA_GRADER_*), as a worker hands them to its trainer: score_model, label_model, endpoint and cosine
+        # graders grade the same way locally.
+        from api.services.graders import remote_config
+        from api.settings import get_settings
+        from trainer.evaluate import configure_remote
+
+        configure_remote(remote_config(get_settings()))
 
 
 files_app = typer.Typer(help="Datasets on a Proxima server (REST).", no_args_is_help=True)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def proxima(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PROXIMA_HOME": str(home)}
@@ -90,3 +92,68 @@ def test_unbuilt_tiny_arith_tells_how_to_build_it(arithmetic_data: Path, tmp_pat
         home=tmp_path / "empty-home",
     )
     assert out.returncode == 2 and "proxima models build tiny-arith" in out.stderr
+
+
+def test_proxima_eval_grades_with_the_deployments_judge(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    # `proxima train` and `proxima eval` read PROXIMA_JUDGE_* as the worker does (api.cli), so a score_model
+    # grader grades locally against the same judge.
+    from tests.remote_grader_servers import _ANSWER_RE, _QUESTION_RE, _prompt, serve_remote_graders, sum_score
+
+    grader = tmp_path / "judge.json"
+    grader.write_text(
+        json.dumps(
+            {
+                "type": "score_model",
+                "name": "judge",
+                "model": "judge-mini",
+                "input": [
+                    {"role": "user", "content": "Question: {{item.messages.0.content}}\nAnswer: {{sample.output_text}}"}
+                ],
+            }
+        )
+    )
+    with serve_remote_graders() as servers:
+        env = {
+            **os.environ,
+            "PROXIMA_HOME": str(tmp_path),
+            "PROXIMA_JUDGE_BASE_URL": servers.judge(),
+            "PROXIMA_JUDGE_MODELS": json.dumps({"judge-mini": "upstream-mini"}),
+        }
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "api.cli",
+                "eval",
+                "--model",
+                str(random_model_dir),
+                "--data",
+                str(arithmetic_data / "validation.jsonl"),
+                "--grader",
+                str(grader),
+                "--limit",
+                "3",
+                "--max-tokens",
+                "3",
+                "--json",
+            ],
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        requests = servers.state.to("/judge/sum")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["n"] == 3 and len(requests) == 3  # three questions: three distinct prompts
+    assert {r.body["model"] for r in requests} == {"upstream-mini"}
+    expected = []
+    for r in requests:
+        prompt = _prompt(r.body)
+        question, answer = _QUESTION_RE.search(prompt), _ANSWER_RE.search(prompt)
+        assert question is not None and answer is not None
+        expected.append(sum_score(question.group(0), answer.group(1)))
+    assert res["mean_reward"] == pytest.approx(sum(expected) / 3)
+    assert res["sub_rewards"] == {"judge": pytest.approx(sum(expected) / 3)}
