@@ -8,6 +8,7 @@ installs it when missing): without it these tests fail, they do not skip.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tarfile
@@ -443,3 +444,43 @@ def test_chart_plan_puts_the_vocabulary_in_its_charts_and_any_other_numeric_seri
     charted = {key for _, keys in preferred for key in keys} | {M.REWARD_STD}
     assert plan["other"] == [f"metric:{name}" for name in sorted(set(names) - charted)]
     assert f"metric:{M.PREFERENCE_ACCURACY}" in plan["other"] and "metric:custom/metric" in plan["other"]
+
+
+def test_the_create_form_offers_every_grader_type_as_a_template_the_server_checks(
+    page: Page, deployment: Deployment
+) -> None:
+    d = deployment
+    sign_in(page, d, d.key_a)
+    page.get_by_role("link", name="New job").first.click()
+    picker = page.get_by_label("Start the grader from a template")
+    offered = picker.locator("option").all_inner_texts()[1:]
+    assert set(offered) == {
+        "string_check",
+        "text_similarity",
+        "python",
+        "score_model",
+        "label_model",
+        "endpoint",
+        "multi",
+        "numeric_match",
+        "regex",
+        "length_penalty",
+    }
+    grader = page.get_by_label("Grader (JSON)")
+    check = page.get_by_role("button", name="Check grader")
+
+    # Every pure template and the python one (checked in the sandbox) is valid as it stands.
+    for kind in ("string_check", "text_similarity", "python", "multi", "numeric_match", "regex", "length_penalty"):
+        picker.select_option(kind)
+        assert json.loads(grader.input_value())["type"] == kind
+        check.click()
+        expect(page.locator(".ok")).to_have_text("The grader is valid.")
+        page.locator(".ok").evaluate("el => { el.textContent = '' }")
+
+    # A model grader on a deployment without a judge: the server's 400 next to the field says what is missing.
+    picker.select_option("score_model")
+    body = json.loads(grader.input_value())
+    assert body["type"] == "score_model" and body["range"] == [0, 1]
+    check.click()
+    expect(page.locator("#f-grader-error")).to_contain_text("this deployment has no judge configured")
+    expect(grader).to_have_attribute("aria-invalid", "true")

@@ -25,6 +25,62 @@ const DEFAULT_GRADER = {
   operation: "eq",
 };
 
+// A starting point for each of OpenAI's grader types (and ours), in OpenAI's shapes: picking one fills the grader
+// field, to be edited. Model graders name a judge model the deployment offers (a 400 lists them).
+const TASK = "Task: {{item.messages.0.content}}\nAnswer: {{sample.output_text}}";
+const GRADER_TEMPLATES = {
+  string_check: DEFAULT_GRADER,
+  text_similarity: {
+    type: "text_similarity",
+    name: "similarity",
+    input: "{{sample.output_text}}",
+    reference: "{{item.answer}}",
+    evaluation_metric: "fuzzy_match",
+  },
+  python: {
+    type: "python",
+    name: "python",
+    source: 'def grade(sample, item) -> float:\n    return float(sample["output_text"].strip() == item["answer"])\n',
+  },
+  score_model: {
+    type: "score_model",
+    name: "judge",
+    model: "judge",
+    input: [
+      { role: "system", content: "Score how well the answer solves the task, from 0 (wrong) to 1 (right)." },
+      { role: "user", content: TASK },
+    ],
+    range: [0, 1],
+  },
+  label_model: {
+    type: "label_model",
+    name: "label",
+    model: "judge",
+    input: [{ role: "user", content: `Is the answer correct? Reply correct or incorrect.\n${TASK}` }],
+    labels: ["correct", "incorrect"],
+    passing_labels: ["correct"],
+  },
+  endpoint: { type: "endpoint", name: "endpoint", url: "https://grader.example.com/grade", rate_limit: 10 },
+  multi: {
+    type: "multi",
+    name: "combined",
+    graders: {
+      exact: { ...DEFAULT_GRADER, name: "exact" },
+      close: {
+        type: "text_similarity",
+        name: "close",
+        input: "{{sample.output_text}}",
+        reference: "{{item.answer}}",
+        evaluation_metric: "fuzzy_match",
+      },
+    },
+    calculate_output: "0.8 * exact + 0.2 * close",
+  },
+  numeric_match: { type: "numeric_match", name: "number", input: "{{sample.output_text}}", reference: "{{item.answer}}" },
+  regex: { type: "regex", name: "digits", input: "{{sample.output_text}}", pattern: "^\\d+$" },
+  length_penalty: { type: "length_penalty", name: "short", input: "{{sample.output_text}}", max_chars: 200 },
+};
+
 // name, label, integer?, which kinds of method show it, help
 const HYPERPARAMETERS = [
   ["learning_rate", "Learning rate", false, "all", "LoRA learning rate"],
@@ -106,6 +162,12 @@ export function mountCreate(main) {
   const modelSelect = h("select", {}, h("option", { value: "", text: "Loading…" }));
   const grader = h("textarea", { rows: 9, spellcheck: "false", class: "mono" });
   grader.value = JSON.stringify(DEFAULT_GRADER, null, 2);
+  const graderTemplate = h(
+    "select",
+    { "aria-label": "Start the grader from a template" },
+    h("option", { value: "", text: "Start from a template…" }),
+    Object.keys(GRADER_TEMPLATES).map((t) => h("option", { value: t, text: t })),
+  );
   const graderCheck = h("button", { type: "button", class: "btn btn-small", text: "Check grader" });
   const graderOk = h("span", { class: "ok", "aria-live": "polite" });
   const extra = h("textarea", { rows: 3, spellcheck: "false", class: "mono", placeholder: '{"epsilon_high": 0.28}' });
@@ -124,8 +186,10 @@ export function mountCreate(main) {
 
   const graderWrap = field("grader", "Grader (JSON)", grader, {
     param: "method.{m}.grader",
-    help: "OpenAI's grader object: string_check, text_similarity, multi, or numeric_match, regex, length_penalty.",
-    extra: h("div", { class: "upload-row" }, graderCheck, graderOk),
+    help:
+      "OpenAI's grader object: string_check, text_similarity, python, score_model, label_model, endpoint, multi; " +
+      "or numeric_match, regex, length_penalty, reward_model.",
+    extra: h("div", { class: "upload-row" }, graderTemplate, graderCheck, graderOk),
   });
 
   const form = h(
@@ -296,6 +360,16 @@ export function mountCreate(main) {
       submit.disabled = false;
       submit.textContent = "Create job";
     }
+  });
+
+  graderTemplate.addEventListener("change", () => {
+    const template = GRADER_TEMPLATES[graderTemplate.value];
+    if (!template) return;
+    grader.value = JSON.stringify(template, null, 2);
+    setError(fields.get("grader"), null);
+    graderOk.textContent = "";
+    graderTemplate.value = "";
+    grader.focus();
   });
 
   graderCheck.addEventListener("click", async () => {
