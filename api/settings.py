@@ -36,6 +36,12 @@ class Settings(BaseSettings):
         1024 * 1024, gt=0, description="the largest body of any other request (job specs, grader dry-runs)"
     )
     lease_seconds: float = Field(30.0, gt=0, description="a worker's claim on a job expires after this")
+    stop_grace_s: float = Field(
+        60.0,
+        gt=0,
+        le=86_400,
+        description="seconds a trainer asked to stop (cancel, pause) has before it is terminated, then killed",
+    )
     run_migrations: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "warning", description="of `proxima serve`'s log on stderr; `info` adds a line per request"

@@ -23,13 +23,14 @@ def run_worker(
     hostname: str | None = None,
     sweep_interval: float = SWEEP_INTERVAL_S,
     queued_grace_seconds: float = QUEUED_GRACE_S,
-    stop_grace_seconds: float = STOP_GRACE_S,
+    stop_grace_seconds: float | None = None,
     loglevel: str = "INFO",
 ) -> None:
     """Block running a worker (one job at a time per unit of concurrency: one per GPU) until it is shut down.
-    ``stop_grace_seconds``: how long a trainer asked to stop (cancel, pause) has before it is terminated."""
+    ``stop_grace_seconds``: how long a trainer asked to stop (cancel, pause) has before it is terminated; default
+    the deployment's ``PROXIMA_STOP_GRACE_S``."""
     app = configure(settings)
-    app.conf.update({STOP_GRACE_CONF: stop_grace_seconds})
+    app.conf.update({STOP_GRACE_CONF: settings.stop_grace_s if stop_grace_seconds is None else stop_grace_seconds})
 
     if settings.celery_broker_url.startswith("sqla+"):
         # kombu's SQLAlchemy transport creates its tables on first use; the folder of a SQLite file must exist.
@@ -60,8 +61,9 @@ def main() -> None:
     parser.add_argument(
         "--stop-grace",
         type=float,
-        default=STOP_GRACE_S,
-        help="seconds a trainer asked to stop (cancel, pause) has before it is terminated, then killed",
+        default=None,
+        help="seconds a trainer asked to stop (cancel, pause) has before it is terminated, then killed; default "
+        f"PROXIMA_STOP_GRACE_S ({STOP_GRACE_S:g})",
     )
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args()

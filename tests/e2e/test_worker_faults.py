@@ -112,7 +112,7 @@ def test_a_trainer_that_does_not_stop_is_terminated_then_killed_and_the_job_ends
     make_service: Callable[..., Service], random_model_dir: Path, arithmetic_data: Path
 ) -> None:
     svc = make_service()
-    start_worker(svc, "stuck", env={HANG_ENV: "start"}, args=("--stop-grace", "1"))
+    start_worker(svc, "stuck", env={HANG_ENV: "start", "PROXIMA_STOP_GRACE_S": "1"})  # the deployment's setting
     spec = grpo_spec(str(random_model_dir), steps=50)
     paused, cancelled = svc.create_job(spec, arithmetic_data), svc.create_job(spec, arithmetic_data)
     stored_checkpoint(svc, paused, 2)
