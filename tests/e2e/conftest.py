@@ -172,9 +172,7 @@ class Service:
             )
         return file_id
 
-    def create_job(
-        self, spec: dict[str, Any], data: Path, *, enqueued_at: float | None = None, **flags: Any
-    ) -> str:
+    def create_job(self, spec: dict[str, Any], data: Path, *, enqueued_at: float | None = None, **flags: Any) -> str:
         """Insert a job row directly (no message sent); `flags` set further columns in the same insert, so that a
         sweeper running meanwhile never sees the row without them."""
         train, val = self.upload(data / "train.jsonl"), self.upload(data / "validation.jsonl")
