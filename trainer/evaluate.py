@@ -68,7 +68,17 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> 
     ]
 
 
-def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[PromptItem]) -> Scores:
+def finish_reasons(rollout: Rollout) -> list[graders.FinishReason]:
+    """[N] why each completion ended: `length` where it was cut at the token limit (no EOS), else `stop`."""
+    return ["length" if cut else "stop" for cut in rollout.truncated.tolist()]
+
+
+def grade_batch(
+    grader: graders.Grader,
+    texts: Sequence[str],
+    items: Sequence[PromptItem],
+    reasons: Sequence[graders.FinishReason] | None = None,
+) -> Scores:
     """Grade each (text, item) pair: rewards [N] and each named sub-grader's scores [N].
 
     The grader's reward_model leaves are scored first, each over the whole batch in batched forward passes (the
@@ -78,7 +88,10 @@ def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[Pr
     graders then run in this process's grading process (`trainer.grading_pool`), each sample within a hard time
     limit: a sample that exceeds it, or whose grading fails, scores 0.0 (its error is flagged there, as every grading
     problem is). A python grader that cannot run at all here (no sandbox can start) raises `graders.GraderFailed`, as
-    does a spent judge budget; a remote leaf this process has no service for raises `graders.GraderError`."""
+    does a spent judge budget; a remote leaf this process has no service for raises `graders.GraderError`.
+
+    `reasons`: why each completion ended (`finish_reasons`), the `finish_reason` of the `sample` object python and
+    endpoint graders get; `stop` for all when not given."""
     names = graders.grader_names(grader)
     rows = [it.item for it in items]
     by_model: dict[str, Tensor] = {}  # the same reward model, prompt and normalisation are scored once
@@ -89,12 +102,14 @@ def grade_batch(grader: graders.Grader, texts: Sequence[str], items: Sequence[Pr
             by_model[same] = reward_model.score_samples(leaf, texts, rows)
         model_scores[key] = by_model[same].tolist()
     try:
-        python = graders.grade_python_leaves(grader, python_sandbox(), texts, rows)
+        python = graders.grade_python_leaves(grader, python_sandbox(), texts, rows, reasons)
     except SandboxUnavailable as err:
         raise graders.GraderFailed(f"python graders cannot run on this worker: {err}") from None
     config, budget = _remote
     try:
-        remote = remote_graders.grade_remote_leaves(grader, texts, rows, config=config, budget=budget)
+        remote = remote_graders.grade_remote_leaves(
+            grader, texts, rows, config=config, budget=budget, finish_reasons=reasons
+        )
     except remote_graders.BudgetSpent as err:
         raise graders.GraderFailed(str(err)) from None
     model_scores |= python.scores | remote.scores
@@ -227,10 +242,12 @@ def evaluate_engine(
 ) -> EvalResult:
     """Mean reward of one completion per prompt from a rollout engine (greedy at temperature 0)."""
     texts: list[str] = []
+    reasons: list[graders.FinishReason] = []
     for start in range(0, len(prompts), batch_size):
         gen = engine.generate(prompts[start : start + batch_size], params, generator=generator)
         texts += decode_completions(tokenizer, gen.rollout)
-    scores = grade_batch(grader, texts, items)
+        reasons += finish_reasons(gen.rollout)
+    scores = grade_batch(grader, texts, items, reasons)
     return EvalResult(
         mean_reward=float(scores.rewards.mean()),
         n=len(texts),

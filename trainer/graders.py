@@ -1417,18 +1417,28 @@ class PythonScores:
     errors: list[list[GradeError]]
 
 
+FinishReason = Literal["stop", "length"]
+"""Why a sampled completion ended, as OpenAI's chat completions say it: `stop` (the model's end of sequence) or
+`length` (cut at the token limit)."""
+
+
 def grade_python_leaves(
-    grader: Grader, sandbox: "PythonSandbox", output_texts: Sequence[str], items: Sequence[Mapping[str, Any]]
+    grader: Grader,
+    sandbox: "PythonSandbox",
+    output_texts: Sequence[str],
+    items: Sequence[Mapping[str, Any]],
+    finish_reasons: Sequence[FinishReason] | None = None,
 ) -> PythonScores:
     """Grade every python leaf of `grader` over the batch, one sandbox per leaf (leaves with the same source share
-    it), with OpenAI's `sample` object (`sample_object`) and the item. Raises `trainer.sandbox.SandboxUnavailable`
-    when no sandbox could start."""
+    it), with OpenAI's `sample` object (`sample_object`, with each sample's `finish_reason`: `stop` where none is
+    given) and the item. Raises `trainer.sandbox.SandboxUnavailable` when no sandbox could start."""
     errors: list[list[GradeError]] = [[] for _ in output_texts]
     scores: dict[str, list[float]] = {}
     leaves = python_graders(grader)
     if not leaves or not output_texts:
         return PythonScores({key: [] for key, _ in leaves}, errors)
-    samples = [sample_object(text) for text in output_texts]
+    reasons = finish_reasons or ["stop"] * len(output_texts)
+    samples = [sample_object(text, finish_reason=reason) for text, reason in zip(output_texts, reasons, strict=True)]
     by_source: dict[str, list[Result]] = {}
     for key, leaf in leaves:
         if leaf.source not in by_source:
@@ -1441,7 +1451,7 @@ def grade_python_leaves(
     return PythonScores(scores, errors)
 
 
-def sample_object(output_text: str, *, finish_reason: Literal["stop", "length"] = "stop") -> dict[str, Any]:
+def sample_object(output_text: str, *, finish_reason: FinishReason = "stop") -> dict[str, Any]:
     """OpenAI's `sample` of a python grader (and of the graders guide's `{{sample.*}}`) for a chat completion:
     `output_text`; `output_json`, the text parsed as JSON when it is JSON (else None; NaN and infinities are not);
     `output_tools`, the tool calls (none here); `choices`, the one chat-completions choice; `output_audio` None."""

@@ -494,6 +494,7 @@ class _Batch:
     output_texts: Sequence[str]
     items: Sequence[Mapping[str, Any]]
     deadline: float | None
+    finish_reasons: Sequence[graders.FinishReason] | None = None
     usage: dict[str, dict[str, int]] = field(default_factory=dict)
 
     async def bounded(
@@ -578,12 +579,13 @@ class _Batch:
         limiter = _RateLimiter(leaf.rate_limit)
         headers = {**(leaf.headers or {}), "Content-Type": "application/json", **pinned.headers}
         service = f"endpoint {pinned.url.host}:{pinned.url.port}"
+        reasons = self.finish_reasons or ["stop"] * len(self.output_texts)
         tasks = [
             self.bounded(
-                self._endpoint_once(leaf, pinned, headers, service, limiter, text, item),
+                self._endpoint_once(leaf, pinned, headers, service, limiter, text, item, reason),
                 lambda f: _endpoint_failure(leaf, f),
             )
-            for text, item in zip(self.output_texts, self.items, strict=True)
+            for text, item, reason in zip(self.output_texts, self.items, reasons, strict=True)
         ]
         return list(await asyncio.gather(*tasks))
 
@@ -596,8 +598,10 @@ class _Batch:
         limiter: _RateLimiter,
         text: str,
         item: Mapping[str, Any],
+        finish_reason: graders.FinishReason,
     ) -> _SampleResult:
-        payload = {"sample": graders.sample_object(text), "item": dict(item), "trace_id": f"trace_{uuid.uuid4().hex}"}
+        sample = graders.sample_object(text, finish_reason=finish_reason)
+        payload = {"sample": sample, "item": dict(item), "trace_id": f"trace_{uuid.uuid4().hex}"}
         try:
             body = json.dumps(payload, allow_nan=False).encode()
         except ValueError as err:
@@ -770,6 +774,7 @@ def grade_remote_leaves(
     budget: JudgeBudget,
     resolver: Resolver | None = None,
     deadline_s: float | None = None,
+    finish_reasons: Sequence[graders.FinishReason] | None = None,
 ) -> RemoteScores:
     """Score every remote leaf of `grader` over the batch, all leaves and samples concurrently (bounded per service).
 
@@ -784,7 +789,9 @@ def grade_remote_leaves(
     for _, param, leaf in leaves:
         if (missing := missing_service(leaf, config, param)) is not None:
             raise missing
-    results, usage = asyncio.run(_grade(leaves, output_texts, items, config, budget, resolver, deadline_s))
+    results, usage = asyncio.run(
+        _grade(leaves, output_texts, items, config, budget, resolver, deadline_s, finish_reasons)
+    )
     scores: dict[str, list[float]] = {}
     for (key, _, _), per_sample in zip(leaves, results, strict=True):
         scores[key] = [score for score, _ in per_sample]
@@ -801,11 +808,12 @@ async def _grade(
     budget: JudgeBudget,
     resolver: Resolver | None,
     deadline_s: float | None,
+    finish_reasons: Sequence[graders.FinishReason] | None,
 ) -> tuple[list[list[_SampleResult]], dict[str, dict[str, int]]]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=config.concurrency)
     async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits, **CLIENT_OPTIONS) as client:
         deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
-        batch = _Batch(_Http(client, config), config, budget, resolver, output_texts, items, deadline)
+        batch = _Batch(_Http(client, config), config, budget, resolver, output_texts, items, deadline, finish_reasons)
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(_grade_leaf(batch, leaf)) for _, _, leaf in leaves]

@@ -52,7 +52,7 @@ from trainer.critic import build_critic
 from trainer.data import DatasetError, PromptItem, load_prompts
 from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts, thinking_kwargs
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
-from trainer.evaluate import GraderMonitor, decode_completions, evaluate_engine, grade_batch
+from trainer.evaluate import GraderMonitor, decode_completions, evaluate_engine, finish_reasons, grade_batch
 from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
 from trainer.models import Precision, default_device, load_tokenizer, resolve_precision, trainable_parameters
 from trainer.recipes import RECIPES, Recipe
@@ -269,7 +269,7 @@ class RLTrainer(EngineLoop):
         gen = self.rollout_engine.generate(prompts, self.sampling, generator=self.engine.generator)
         rollout = gen.rollout.to("cpu")
         texts = decode_completions(self.tokenizer, rollout)
-        scores = grade_batch(self.grader, texts, items)
+        scores = grade_batch(self.grader, texts, items, finish_reasons(rollout))
         self.grader_monitor.observe(scores)
         shaped = scores.rewards.clone()
         if self.parts.overlong is not None:

@@ -380,3 +380,17 @@ def test_openai_compute_multiplier_samples_more_per_prompt_and_reasoning_effort_
         "info",
         f"reasoning_effort 'high' has no effect: the chat template of {random_model_dir} has no thinking mode",
     ) in recorder.events
+
+
+def test_a_completion_cut_at_the_token_limit_reaches_the_python_grader_as_finish_reason_length(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    # One token, EOS held off until then: every completion is cut at the limit (Rollout.truncated), and the python
+    # grader's OpenAI sample says so; with longer completions the random model's ends are mixed.
+    source = "def grade(sample, item):\n    return 1.0 if sample['choices'][0]['finish_reason'] == 'length' else 0.0\n"
+    raw = make_spec(random_model_dir, arithmetic_data, max_steps=1, max_completion_tokens=1, min_completion_tokens=1)
+    raw["method"]["grpo"]["grader"] = {"type": "python", "name": "cut", "source": source}
+    train(parse_spec(raw), output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    rows = read_metrics(tmp_path)
+    trained = [r for r in rows if r["step"] == 1]
+    assert trained and trained[0][M.REWARD_MEAN] == 1.0 and trained[0][M.reward_of("cut")] == 1.0

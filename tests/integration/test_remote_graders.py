@@ -209,6 +209,13 @@ class TestEndpoint:
         assert headers["authorization"] == "Bearer tenant-token" and headers["x-run"] == "7"
         assert headers["host"] == f"127.0.0.1:{servers.port}" and headers["content-type"] == "application/json"
 
+    def test_each_sample_carries_its_finish_reason(self, servers: Servers) -> None:
+        scores = grade(self.grader(servers), ["81", "8"], config(servers), finish_reasons=["stop", "length"])
+        assert scores.errors == [[], []]
+        sent = {r.body["sample"]["output_text"]: r.body["sample"] for r in servers.state.to("/grade/sum")}
+        assert sent == {"81": graders.sample_object("81"), "8": graders.sample_object("8", finish_reason="length")}
+        assert sent["8"]["choices"][0]["finish_reason"] == "length"
+
     def test_requests_start_no_faster_than_the_rate_limit(self, servers: Servers) -> None:
         scores = grade(self.grader(servers, rate_limit=5), [str(i) for i in range(6)], config(servers))
         assert scores.errors == [[]] * 6

@@ -127,6 +127,16 @@ class TestGradeBatch:
         assert scores.sub["py"].tolist() == scores.rewards.tolist()
         assert scores.failures == [None] * 64
 
+    def test_each_sample_gets_its_finish_reason(self) -> None:
+        # A completion cut at the token limit is `length` in OpenAI's sample, one that ended itself `stop`.
+        source = (
+            "def grade(sample, item):\n    return 1.0 if sample['choices'][0]['finish_reason'] == 'length' else 0.5\n"
+        )
+        grader = graders.parse_grader(python(source))
+        scores = evaluate.grade_batch(grader, ["a", "b", "c"], items(["1", "2", "3"]), ["length", "stop", "length"])
+        assert scores.rewards.tolist() == [1.0, 0.5, 1.0]
+        assert evaluate.grade_batch(grader, ["a"], items(["1"])).rewards.tolist() == [0.5]  # none given: stop
+
     def test_python_leaves_of_a_multi_share_a_sandbox_per_source_and_failures_are_kept(self) -> None:
         failing = "def grade(sample, item):\n    return 1 / int(sample['output_text'])\n"
         obj = {
