@@ -32,7 +32,7 @@ import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, assert_never
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, assert_never, get_args
 
 import re2
 from pydantic import (
@@ -124,19 +124,7 @@ connection error or an HTTP error after the retries); an endpoint grader's servi
 (`endpoint_parse`) or did not answer (`endpoint_server`, or its URL is not allowed); the embeddings of a `cosine`
 text_similarity could not be had (`embeddings`). The remote kinds' `cause` says more (`timeout`, `http_503`, ...)."""
 
-FAILURE_KINDS: frozenset[str] = frozenset(
-    {
-        "timeout",
-        "python_runtime",
-        "python_server",
-        "model_grader_parse",
-        "model_grader_refusal",
-        "model_grader_server",
-        "endpoint_parse",
-        "endpoint_server",
-        "embeddings",
-    }
-)
+FAILURE_KINDS: frozenset[str] = frozenset(get_args(GradeErrorKind)) - {"invalid_variable", "formula", "other"}
 """The kinds of error that mean the grader produced no score for the sample (scored 0.0): what a job counts as the
 grader failing (`grader/error_rate`, and the job fails when most samples of consecutive steps fail)."""
 

@@ -445,7 +445,7 @@ def _serve_batch(grader_json: Any, samples: list[dict[str, Any]], reply: Any) ->
         return
     validated = grader.model_dump(mode="json", exclude_none=True)
     for metric in sorted(_library_metrics(validated)):  # loaded before the samples' clocks start (PREPARE_TIMEOUT_S)
-        similarity.prepare(metric)
+        _prepare(metric)
     reply({"grader": validated})
     for sample in samples:
         try:
@@ -465,6 +465,11 @@ def _serve_batch(grader_json: Any, samples: list[dict[str, Any]], reply: Any) ->
                 "errors": [[str(error), error.kind] for error in result.errors],
             }
         )
+
+
+@functools.cache  # once per process and metric: what it loads stays loaded
+def _prepare(metric: str) -> None:
+    similarity.prepare(metric)
 
 
 @functools.lru_cache(maxsize=8)  # the grader of the batches to come is most often the same one

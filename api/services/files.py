@@ -23,7 +23,6 @@ from trainer import json_values
 
 log = logging.getLogger("proxima.api.files")
 
-CHUNK_BYTES = 1 << 20
 MAX_LIST_LIMIT = 10_000
 MAX_FILENAME_CHARS = 512  # files.filename
 
