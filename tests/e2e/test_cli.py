@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 
-def proxima(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PROXIMA_HOME": str(home)}
+def proxima(
+    *args: str, home: Path, module: str = "trainer.cli", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The trainer's command line (`module` api.cli: the `proxima` console script, which reads the settings)."""
+    full_env = {**os.environ, "PROXIMA_HOME": str(home), **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "trainer.cli", *args], env=env, text=True, capture_output=True, timeout=300
+        [sys.executable, "-m", module, *args], env=full_env, text=True, capture_output=True, timeout=300
     )
 
 
@@ -115,34 +118,26 @@ def test_proxima_eval_grades_with_the_deployments_judge(
         )
     )
     with serve_remote_graders() as servers:
-        env = {
-            **os.environ,
-            "PROXIMA_HOME": str(tmp_path),
+        judge = {
             "PROXIMA_JUDGE_BASE_URL": servers.judge(),
             "PROXIMA_JUDGE_MODELS": json.dumps({"judge-mini": "upstream-mini"}),
         }
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "api.cli",
-                "eval",
-                "--model",
-                str(random_model_dir),
-                "--data",
-                str(arithmetic_data / "validation.jsonl"),
-                "--grader",
-                str(grader),
-                "--limit",
-                "3",
-                "--max-tokens",
-                "3",
-                "--json",
-            ],
-            env=env,
-            text=True,
-            capture_output=True,
-            timeout=300,
+        out = proxima(
+            "eval",
+            "--model",
+            str(random_model_dir),
+            "--data",
+            str(arithmetic_data / "validation.jsonl"),
+            "--grader",
+            str(grader),
+            "--limit",
+            "3",
+            "--max-tokens",
+            "3",
+            "--json",
+            home=tmp_path,
+            module="api.cli",
+            env=judge,
         )
         assert out.returncode == 0, out.stderr
         requests = servers.state.to("/judge/sum")

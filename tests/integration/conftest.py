@@ -25,6 +25,8 @@ import redis
 import uvicorn
 from sqlalchemy.orm import Session
 
+from tests.remote_grader_servers import Servers, serve_remote_graders
+
 PG_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 PG_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/{db}"
 REDIS_URL = "redis://127.0.0.1:6379/{db}"
@@ -337,3 +339,16 @@ def add_checkpoint(db: Callable[[], Any], store: Any, job_id: str, step: int, *,
 @pytest.fixture
 def tmp_home(tmp_path: Path) -> Path:
     return tmp_path / "home"
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Servers]:
+    """The remote graders' local services (tests/remote_grader_servers.py): a judge, endpoint graders, embeddings."""
+    with serve_remote_graders() as s:
+        yield s
+
+
+@pytest.fixture
+def fresh_remote_graders(servers: Servers) -> None:
+    """No requests recorded by the services before the test."""
+    servers.state.clear()

@@ -17,7 +17,10 @@ from openai import OpenAI
 from pydantic import SecretStr
 
 from tests.integration.conftest import _record_5xx, assert_error, http_client, job_body, serve
-from tests.remote_grader_servers import Servers, letter_cosine, serve_remote_graders
+from tests.remote_grader_servers import Servers, letter_cosine
+
+pytestmark = pytest.mark.usefixtures("fresh_remote_graders")  # conftest: each test sees only its requests
+
 
 RUN = "/v1/fine_tuning/alpha/graders/run"
 VALIDATE = "/v1/fine_tuning/alpha/graders/validate"
@@ -44,17 +47,6 @@ COSINE = {
 
 def multi(**graders: dict[str, Any]) -> dict[str, Any]:
     return {"type": "multi", "name": "all", "graders": graders, "calculate_output": " + ".join(graders)}
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
-    with serve_remote_graders() as s:
-        yield s
-
-
-@pytest.fixture(autouse=True)
-def fresh(servers: Servers) -> None:
-    servers.state.clear()
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import pytest
 
-from tests.remote_grader_servers import FLAKY_FAILURES, SLOW_S, Servers, letter_cosine, serve_remote_graders, sum_score
+from tests.remote_grader_servers import FLAKY_FAILURES, SLOW_S, Servers, letter_cosine, sum_score
 from trainer import evaluate, graders
 from trainer.data import PromptItem
 from trainer.graders import GraderFailed, parse_grader
@@ -24,6 +24,8 @@ from trainer.remote_graders import (
     RemoteScores,
     grade_remote_leaves,
 )
+
+pytestmark = pytest.mark.usefixtures("fresh_remote_graders")  # conftest: each test sees only its requests
 
 KEY = "sk-judge-secret"
 QUESTION = "What is 23 + 58?"
@@ -41,17 +43,6 @@ LABEL_MODEL = {
     "labels": ["correct", "wrong"],
     "passing_labels": ["correct"],
 }
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
-    with serve_remote_graders() as s:
-        yield s
-
-
-@pytest.fixture(autouse=True)
-def fresh(servers: Servers) -> None:
-    servers.state.clear()
 
 
 def config(servers: Servers, judge: str = "sum", **overrides: Any) -> RemoteConfig:

@@ -5,18 +5,11 @@ from typing import Any
 
 import pytest
 
+from tests.unit.trainer.test_config import GRADER
 from trainer.config import MAX_ROLLOUT, GRPOHyperparameters, PPOHyperparameters, SpecError, parse_spec
 from trainer.data import PromptItem
 from trainer.encoding import encode_prompts, prompt_text, thinking_kwargs
 from trainer.tiny_arith import build_tokenizer
-
-GRADER = {
-    "type": "string_check",
-    "name": "acc",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.answer}}",
-    "operation": "eq",
-}
 
 
 def spec(method: str = "reinforcement", **hp: Any) -> dict[str, Any]:
