@@ -5,8 +5,8 @@ score in the sandbox (trainer.sandbox: one bubblewrap sandbox per batch).
 Both graders give every sample the same score, so both runs sample the same completions and take the same updates:
 their held-out accuracies must agree, and the difference of their step times is the python grader's cost. Each side
 runs in its own subprocess (the script re-run with ``--worker``), alternating which goes first from round to round;
-the grading time is measured directly too (the wall time of `trainer.rl.grade_batch`, wrapped), and
-``/proc/loadavg`` is read before and after every run.
+the grading time is measured directly too (the wall time of `trainer.rl.grade_batch`, wrapped). Each run waits for
+the 1-minute load average to fall below 1 (at most 5 minutes), and ``/proc/loadavg`` is read before and after it.
 
     .venv/bin/python bench/python_grader.py --rounds 3 --steps 40
 
@@ -120,7 +120,18 @@ def worker(side: str, steps: int, seed: int) -> None:
     )
 
 
+IDLE_LOAD = 1.0
+"""A run starts once the 1-minute load average is below this (the previous run's own load decays first)."""
+
+
+def _wait_for_idle(limit_s: float = 300.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while _loadavg() >= IDLE_LOAD and time.monotonic() < deadline:
+        time.sleep(5)
+
+
 def run_side(side: str, steps: int, seed: int) -> dict[str, Any]:
+    _wait_for_idle()
     before = _loadavg()
     out = subprocess.run(
         [sys.executable, __file__, "--worker", side, "--steps", str(steps), "--seed", str(seed)],
