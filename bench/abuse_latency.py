@@ -270,7 +270,12 @@ def window(
     job_a: str,
     server_pid: int,
 ) -> dict[str, Any]:
-    """A's polls for one window while ``send`` runs; the attacker starts first and runs past the window's end."""
+    """A's polls for one window while ``send`` runs; the attacker starts first and runs past the window's end. The
+    window starts once the 1-minute load average is below ``--idle-load`` (the previous window's load decays first;
+    at most 5 minutes)."""
+    deadline = time.monotonic() + 300
+    while loadavg()[0] >= args.idle_load and time.monotonic() < deadline:
+        time.sleep(5)
     sampler = Sampler(server_pid)
     sampler.start()
     attacker = Attacker(name, send, args.attack_interval)
@@ -332,6 +337,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each measured window")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of polls (under attack) before each window")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--idle-load", type=float, default=1.0, help="a window starts once the load is below this")
     ap.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of {', '.join(ATTACKS)}")
     ap.add_argument("--attack-interval", type=float, default=0.5, help="least seconds between two attack starts")
     ap.add_argument("--upload-gib", type=float, default=2.0)
