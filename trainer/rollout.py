@@ -106,15 +106,22 @@ class Rollout:
         )
 
 
+MIN_TEMPERATURE = 1e-4
+"""Temperatures below this sample as this: the scaled logits stay finite in float32 (|z| < 1e4 · 3.4e34)."""
+
+
 def _sample_next(logits: Tensor, *, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
     """One token per row from logits [N, V]: greedy at temperature 0, else softmax(z/T) restricted to the top-p
     nucleus."""
     if temperature == 0.0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # A temperature so small that z/T overflows float32 would make softmax NaN: below MIN_TEMPERATURE the
+    # distribution is one-hot to float precision anyway.
+    probs = torch.softmax(logits.float() / max(temperature, MIN_TEMPERATURE), dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix whose mass reaches top_p
+        outside[..., 0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32 keeps it)
         sorted_p = sorted_p.masked_fill(outside, 0.0)
         choice = torch.multinomial(sorted_p, 1, generator=generator).squeeze(-1)
         return order.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
