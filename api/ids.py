@@ -38,3 +38,17 @@ def api_key() -> str:
 def fine_tuned_model_name(*, model: str, tenant_id: str, suffix: str | None, job_id: str) -> str:
     """``ft:<base>:<tenant>:<suffix>:<id>`` (design §2), the job id without its ``ftjob-`` prefix."""
     return f"ft:{model}:{tenant_id}:{suffix or ''}:{job_id.removeprefix('ftjob-')}"
+
+
+def webhook_endpoint_id() -> str:
+    return f"whep_{_token()}"
+
+
+def webhook_event_id() -> str:
+    """A webhook event's id (OpenAI's events are ``evt_…``); also its deliveries' ``webhook-id`` header."""
+    return f"evt_{_token()}"
+
+
+def webhook_delivery_id() -> str:
+    """One attempt at delivering an event to an endpoint (a line of the endpoint's delivery log)."""
+    return f"whdel_{_token()}"

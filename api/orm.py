@@ -144,3 +144,75 @@ class Rollout(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+# -- webhooks (issue 14): endpoints, the outbox of events, one delivery per (event, endpoint), its attempts ----------
+
+
+class WebhookEndpoint(Base):
+    __tablename__ = "webhook_endpoints"
+    __table_args__ = (Index("ix_webhook_endpoints_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(256))
+    url: Mapped[str] = mapped_column(String(2048))
+    event_types: Mapped[list[str]] = mapped_column(JSON)
+    # Stored as it is, not hashed: every delivery is signed with it (api.webhook_events).
+    secret: Mapped[str] = mapped_column(String(128))
+    # The secret before a rotation that kept it valid a while, and until when (unix seconds).
+    previous_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    previous_secret_expires_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    updated_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class WebhookEvent(Base):
+    """The outbox: written in the same transaction as the job's status change, so no event is lost to a crash."""
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    type: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class WebhookDelivery(Base):
+    """An event owed to one endpoint (subscribed when the event happened): ``pending`` until ``delivered`` or, past
+    the retry horizon, ``failed``. ``next_attempt_at`` is when it is due (and, once claimed, the claim's expiry)."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        Index("ix_webhook_deliveries_event_endpoint", "event_id", "endpoint_id", unique=True),
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class WebhookAttempt(Base):
+    """One POST of a delivery: the endpoint's delivery log."""
+
+    __tablename__ = "webhook_attempts"
+    __table_args__ = (Index("ix_webhook_attempts_endpoint_seq", "endpoint_id", "seq"),)
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    delivery_id: Mapped[int] = mapped_column(ForeignKey("webhook_deliveries.id", ondelete="CASCADE"))
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    duration_ms: Mapped[int] = mapped_column(Integer, default=0)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    outcome: Mapped[str] = mapped_column(String(16))  # delivered | retrying | failed (given up)
+    next_retry_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)

@@ -1,4 +1,5 @@
-"""Start a worker programmatically: a Celery worker consuming ``proxima.jobs.run`` plus the sweeper thread.
+"""Start a worker programmatically: a Celery worker consuming ``proxima.jobs.run`` plus the sweeper and webhook
+delivery threads.
 
 Used by ``proxima worker`` and ``proxima serve``; ``python -m worker.main`` runs one too.
 """
@@ -14,6 +15,7 @@ from api.settings import Settings, get_settings
 from worker.celery_app import configure
 from worker.sweeper import QUEUED_GRACE_S, SWEEP_INTERVAL_S, Sweeper
 from worker.tasks import STOP_GRACE_CONF, STOP_GRACE_S  # importing it registers proxima.jobs.run
+from worker.webhooks import WebhookDeliverer
 
 
 def run_worker(
@@ -37,6 +39,8 @@ def run_worker(
         settings.home.mkdir(parents=True, exist_ok=True)
     sweeper = Sweeper(app, settings, interval=sweep_interval, queued_grace_seconds=queued_grace_seconds)
     sweeper.start()
+    deliverer = WebhookDeliverer(settings)  # webhooks go out wherever a worker runs (worker.webhooks)
+    deliverer.start()
     try:
         celery_worker: Any = app.Worker(
             hostname=f"proxima@{hostname or socket.gethostname()}",
@@ -50,6 +54,7 @@ def run_worker(
         celery_worker.start()
     finally:
         sweeper.stop()
+        deliverer.stop()
 
 
 def main() -> None:

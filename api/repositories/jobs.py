@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from api import ids
 from api.orm import Checkpoint, Job, JobEvent, JobMetric, Rollout, now
+from api.repositories import webhooks
 from api.status import JobStatus
 
 
@@ -66,7 +67,8 @@ def page(
 
 def transition(session: Session, *, job: Job, from_statuses: Iterable[JobStatus], **values: Any) -> bool:
     """Set ``values`` on the job only if its status is still one of ``from_statuses`` (a worker may have moved it
-    meanwhile); refreshes ``job`` either way and says whether the update happened."""
+    meanwhile); refreshes ``job`` either way and says whether the update happened. A new status that sends a webhook
+    event (cancelled, paused) records it in the same transaction (``api.repositories.webhooks``)."""
     result = session.execute(
         update(Job)
         .where(Job.id == job.id, Job.status.in_(list(from_statuses)))
@@ -74,7 +76,11 @@ def transition(session: Session, *, job: Job, from_statuses: Iterable[JobStatus]
         .execution_options(synchronize_session=False)
     )
     session.refresh(job)
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    if not result.rowcount:  # type: ignore[attr-defined]
+        return False
+    if "status" in values:
+        webhooks.job_status_changed(session, job_id=job.id, status=JobStatus(values["status"]))
+    return True
 
 
 def get_by_model(session: Session, *, tenant_id: str, fine_tuned_model: str) -> Job | None:

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from api import ids
 from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Rollout, now
+from api.repositories import webhooks
 from api.status import CLAIMABLE, LEASED, TERMINAL_STATUSES, WAITING, JobStatus
 
 
@@ -91,7 +92,11 @@ def end_validation(session: Session, *, job_id: str, worker_id: str, error: dict
         .values(**values)
         .execution_options(synchronize_session=False)
     )
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        return False
+    if error is not None:  # the webhook event commits with the status change (api.repositories.webhooks)
+        webhooks.job_status_changed(session, job_id=job_id, status=JobStatus.FAILED)
+    return True
 
 
 def renew_lease(
@@ -292,7 +297,10 @@ def finish(
     if status == JobStatus.PAUSED:
         where.append(Job.cancel_requested.is_(False))  # a cancel asked meanwhile wins: the worker finishes cancelled
     result = session.execute(update(Job).where(*where).values(**values).execution_options(synchronize_session=False))
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        return False
+    webhooks.job_status_changed(session, job_id=job_id, status=status)  # commits with the status change
+    return True
 
 
 def expired_jobs(session: Session, *, grace_seconds: float, at: float | None = None, limit: int = 100) -> list[str]:
@@ -386,6 +394,7 @@ def settle_abandoned(
         )
         if result.rowcount != 1:  # type: ignore[attr-defined]
             continue  # another sweeper settled it, or its worker came back
+        webhooks.job_status_changed(session, job_id=job_id, status=status)
         if cancel:
             message = "The job was cancelled (its worker had stopped)"
         else:
