@@ -19,15 +19,19 @@ from api.schemas import (
     CursorListObject,
     FineTuningJob,
     JobCreate,
+    JobEstimate,
     JobEventObject,
     ListObject,
     MetricsPoint,
     RolloutList,
     cursor_list,
 )
+from api.services import estimates as estimates_service
 from api.services import jobs as jobs_service
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+# Not under /jobs: a path there is a job's id (GET /v1/fine_tuning/jobs/{id}).
+estimates_router = APIRouter(prefix="/v1/fine_tuning", tags=["fine-tuning"])
 
 _METADATA_KEY = re.compile(r"^metadata\[(.+)\]$")
 
@@ -47,6 +51,16 @@ def metadata_filter(request: Request) -> tuple[dict[str, str], bool]:
 def create_job(body: JobCreate, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> FineTuningJob:
     job = jobs_service.create(session=session, settings=settings, tenant=tenant, body=body)
     return FineTuningJob.from_row(job)
+
+
+@estimates_router.post(
+    "/estimates",
+    response_model=JobEstimate,
+    summary="Estimate a fine-tuning job (extension): its steps and duration from the measured throughput",
+)
+def estimate_job(body: JobCreate, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> JobEstimate:
+    """The body of ``POST /v1/fine_tuning/jobs``, checked as job creation checks it; nothing is created."""
+    return estimates_service.estimate(session=session, settings=settings, tenant=tenant, body=body)
 
 
 @router.get("", response_model=ListObject[FineTuningJob], summary="List fine-tuning jobs, newest first")
