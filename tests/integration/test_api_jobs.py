@@ -176,7 +176,7 @@ class TestCreate:
             ({"training_file": "file-missing"}, "training_file", "file_not_found"),
             ({"validation_file": "file-missing"}, "validation_file", "file_not_found"),
             ({"colour": "blue"}, "colour", None),
-            ({"integrations": [{"type": "wandb"}]}, "integrations", "invalid_integrations"),
+            ({"integrations": [{"type": "wandb"}]}, "integrations.0.wandb", "invalid_integrations"),
             ({"seed": "seven"}, "seed", None),
             ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "invalid_spec"),
         ],
