@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors
 from api.guards import RequestGuard
-from api.routes import dashboard, docs, files, graders, health, jobs, models
+from api.routes import dashboard, docs, files, graders, health, inference, jobs, models, webhooks
 from api.services import jobs as jobs_service
 from api.settings import Settings, get_settings
 
@@ -116,7 +116,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     errors.install(app)
-    routers = (files.router, jobs.router, graders.router, models.router, health.router)
+    routers = (
+        files.router,
+        jobs.router,
+        jobs.estimates_router,
+        graders.router,
+        models.router,
+        inference.router,
+        health.router,
+        webhooks.router,
+    )
     for router in routers:
         app.include_router(router)
     dashboard.install(app)

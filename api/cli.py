@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -221,6 +222,20 @@ def worker(
     run_worker(_settings(), concurrency=concurrency, hostname=hostname)
 
 
+@app.command()
+def inference(
+    host: Annotated[str | None, typer.Option(help="bind address (default PROXIMA_INFERENCE_HOST or 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default PROXIMA_INFERENCE_PORT or 8001)")] = None,
+) -> None:
+    """The inference server: chat completions of the base models and their LoRA adapters (it imports torch)."""
+    from worker.inference import run_server
+
+    s = _settings()
+    if parent := os.environ.pop(SERVE_PID_ENV, None):
+        _exit_with_parent(int(parent))
+    run_server(s, host=host or s.inference_host, port=port or s.inference_port)
+
+
 SERVE_PID_ENV = "PROXIMA_SERVE_PID"
 
 
@@ -265,9 +280,13 @@ def serve(
     host: Annotated[str | None, typer.Option(help="bind address (default PROXIMA_HOST or 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default PROXIMA_PORT or 8000)")] = None,
     no_worker: Annotated[bool, typer.Option("--no-worker", help="serve the API only")] = False,
+    no_inference: Annotated[
+        bool, typer.Option("--no-inference", help="start no inference server (chat completions then answer 503)")
+    ] = False,
     workers: Annotated[int, typer.Option(help="API processes (uvicorn workers)")] = 1,
 ) -> None:
-    """The API and (unless --no-worker) one worker, on the configured or the embedded backends."""
+    """The API, (unless --no-worker) one worker and, unless PROXIMA_INFERENCE_URL names one or --no-inference, the
+    inference server of chat completions (`proxima inference`), on the configured or the embedded backends."""
     import uvicorn
 
     s = _settings()
@@ -275,10 +294,12 @@ def serve(
     if s.embedded:
         key = ensure_local_key()
         console.print(f"embedded backends under {s.home}; local API key: {key}")
-    child = None
+    children: list[subprocess.Popen[bytes]] = []
+    if s.inference_url is None and not no_inference:
+        children.append(_start_inference(s))
     if not no_worker:
         env = {**os.environ, SERVE_PID_ENV: str(os.getpid())}
-        child = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=env)
+        children.append(subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=env))
     try:
         # Each uvicorn worker process builds its own app through the factory.
         target: Any = serving_app() if workers == 1 else "api.cli:serving_app"
@@ -292,12 +313,33 @@ def serve(
             timeout_graceful_shutdown=5,
         )
     finally:
-        if child is not None:
+        for child in children:
             child.send_signal(signal.SIGTERM)
+        for child in children:
             try:
                 child.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def _start_inference(s: Any) -> subprocess.Popen[bytes]:
+    """`proxima inference` as a child of `proxima serve`: on PROXIMA_INFERENCE_PORT when it is set, else on a free
+    port (several deployments on one machine), with a shared key made for this run unless PROXIMA_INFERENCE_API_KEY
+    is set (nothing else on the machine can use it); the API is pointed at it through the environment, which the
+    app's settings (and uvicorn's worker processes) read."""
+    from api.settings import get_settings
+
+    port = s.inference_port if "inference_port" in s.model_fields_set else _free_port()
+    key = s.inference_api_key.get_secret_value() if s.inference_api_key is not None else secrets.token_urlsafe(32)
+    host = "127.0.0.1" if s.inference_host in ("0.0.0.0", "::", "") else s.inference_host
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    os.environ["PROXIMA_INFERENCE_API_KEY"] = key
+    env = {**os.environ, SERVE_PID_ENV: str(os.getpid())}
+    child = subprocess.Popen([sys.executable, "-m", "api.cli", "inference", "--port", str(port)], env=env)
+    os.environ["PROXIMA_INFERENCE_URL"] = url
+    get_settings.cache_clear()
+    console.print(f"inference server (`proxima inference`) starting at {url}")
+    return child
 
 
 # -- REST clients ---------------------------------------------------------------------------------------------
@@ -599,6 +641,12 @@ def demo(
             f"validation greedy accuracy (the downloaded adapter, loaded with PEFT here): "
             f"base {base_acc:.3f} → trained {trained_acc:.3f}"
         )
+        question = "What is 57 + 68?"  # a carry: tiny-arith's base model tends to drop it (15)
+        for model in (tiny_arith.MODEL_NAME, job["fine_tuned_model"]):
+            body = {"model": model, "messages": [{"role": "user", "content": question}], "temperature": 0}
+            r = c.http.post("/chat/completions", json=body)
+            said = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else f"(HTTP {r.status_code})"
+            console.print(f"chat completion of {model}: {question} → {said}")
     finally:
         if c is not None:
             c.http.close()

@@ -114,8 +114,8 @@ class FileDeleted(BaseModel):
 
 class JobCreate(_Request):
     """``POST /v1/fine_tuning/jobs``. ``method`` is validated by :func:`trainer.config.parse_spec`, which names the
-    offending field. OpenAI's deprecated top-level ``hyperparameters`` move under the method; ``integrations``
-    are accepted only empty (none are supported)."""
+    offending field. OpenAI's deprecated top-level ``hyperparameters`` move under the method; ``integrations`` are
+    checked by :mod:`api.services.integrations`, which names the offending field."""
 
     model: str
     training_file: str
@@ -134,7 +134,13 @@ class JobCreate(_Request):
         "range is a 400 naming it. `proxima train` takes the same spec with the same ranges.",
     )
     hyperparameters: dict[str, Any] | None = None
-    integrations: list[Any] | None = None
+    integrations: list[Any] | None = Field(
+        None,
+        description="experiment trackers the worker exports the metrics, rollouts and config to: OpenAI's "
+        '`{"type": "wandb", "wandb": {"project", "entity", "name", "tags"}}` and `{"type": "mlflow", "mlflow": '
+        '{"experiment_name", "run_name", "tags": {...}}}`, at most one of each; a tracker this deployment has not '
+        "configured is a 400",
+    )
 
     @field_validator("metadata")
     @classmethod
@@ -210,6 +216,7 @@ class FineTuningJob(BaseModel):
                 learning_rate_multiplier=hp.get("learning_rate_multiplier"),
             ),
             method=method,
+            integrations=list(row.spec.get("integrations") or []),
             seed=row.seed,
             metadata=row.metadata_,
             error=JobError(**row.error) if row.error else None,
@@ -217,6 +224,31 @@ class FineTuningJob(BaseModel):
             current_step=row.current_step or 0,
             total_steps=row.total_steps,
         )
+
+
+class EstimateBasis(BaseModel):
+    """What an estimate rests on: aggregates only, never another tenant's job."""
+
+    jobs: int = Field(description="past jobs of this base model and method whose step times were measured (any tenant)")
+    steps: int = Field(description="their training steps the figure rests on")
+    scaled_by: str = Field(description="the size of a step the measured times are scaled by")
+    reason: str | None = Field(None, description="why there is no duration, when there is none")
+
+
+class JobEstimate(BaseModel):
+    """``POST /v1/fine_tuning/estimates`` (extension): a job's size and duration before it is created."""
+
+    object: Literal["fine_tuning.job.estimate"] = "fine_tuning.job.estimate"
+    model: str
+    method: str
+    total_steps: int
+    total_steps_from: Literal["max_steps", "training_file"] = Field(
+        description="max_steps, or n_epochs over the training file's lines in batches of batch_size"
+    )
+    seconds_per_step: float | None
+    estimated_duration_seconds: int | None
+    basis: EstimateBasis
+    hyperparameters: dict[str, Any] = Field(description="the method's hyperparameters as the job would be created")
 
 
 class JobEventObject(BaseModel):

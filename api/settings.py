@@ -89,6 +89,95 @@ class Settings(BaseSettings):
     grader_http_concurrency: int = Field(
         16, ge=1, le=1024, description="requests a trainer has in flight at once to each grading service"
     )
+    # --- inference: `proxima inference` and the API's chat completions (issue 14) ---
+    inference_url: str | None = Field(
+        None,
+        description="base URL of the inference server (`proxima inference`, or vLLM's OpenAI server), e.g. "
+        "http://inference:8001; unset: `proxima serve` starts `proxima inference` beside the API",
+    )
+    inference_api_key: SecretStr | None = Field(
+        None, description="a shared secret the API sends to the inference server as a bearer token"
+    )
+    inference_host: str = "127.0.0.1"
+    inference_port: int = Field(8001, ge=1, le=65535, description="where `proxima inference` listens")
+    inference_max_adapters: int = Field(
+        8, ge=1, le=1024, description="LoRA adapters the inference server keeps loaded (least recently used leaves)"
+    )
+    inference_idle_unload_s: float = Field(
+        900.0, gt=0, description="a model or adapter unused this long is unloaded by the inference server"
+    )
+    inference_max_batch: int = Field(
+        16, ge=1, le=1024, description="requests for one base model the inference server decodes together"
+    )
+    inference_timeout_s: float = Field(
+        300.0, gt=0, description="the API's limit on one request to the inference server"
+    )
+    inference_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="of `proxima inference`'s models (auto: bf16 where matmuls run fast in it, as the trainer picks); "
+        "fp32 gives the greedy completions of a job trained in fp32 exactly",
+    )
+    # --- webhooks (issue 14) ---
+    # An endpoint's URL obeys the endpoint graders' policy (grader_url_schemes, grader_url_allow_networks,
+    # grader_url_deny_networks), checked when it is set and again, pinned to the checked address, at every delivery.
+    webhook_timeout_s: float = Field(10.0, gt=0, le=300, description="the time limit of one webhook delivery")
+    webhook_retry_base_s: float = Field(
+        10.0, gt=0, description="the wait before a failed delivery's first retry; each next retry waits twice as long"
+    )
+    webhook_retry_max_delay_s: float = Field(3600.0, gt=0, description="the longest wait between two retries")
+    webhook_retry_horizon_s: float = Field(
+        86_400.0, gt=0, description="a delivery not accepted this long after its event is given up (recorded)"
+    )
+    webhook_poll_interval_s: float = Field(
+        2.0, gt=0, description="how often each worker's delivery loop looks for deliveries that are due"
+    )
+    # --- experiment trackers: W&B and MLflow credentials come from the deployment, never from a job (issue 14) ---
+    # A job's `integrations` name a project and a run; the workers export to the trackers configured here (the API
+    # refuses a job that asks for one that is not). Read by the API (is it configured?) and the workers (export).
+    wandb_api_key: SecretStr | None = Field(
+        None, description="the W&B API key the workers log runs with; W&B integrations are accepted when it is set"
+    )
+    wandb_base_url: str | None = Field(
+        None, description="a W&B server of your own (https://wandb.example.com); unset: W&B's cloud"
+    )
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online",
+        description="offline: runs are written under wandb_dir only, for `wandb sync` later, and no key is needed "
+        "(W&B integrations are accepted)",
+    )
+    wandb_dir: Path | None = Field(None, description="where W&B writes its local run files; unset: <home>/wandb")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="the MLflow tracking server (http://mlflow:5000) or store (file:///srv/mlruns) the workers log "
+        "runs to; MLflow integrations are accepted when it is set",
+    )
+    mlflow_tracking_token: SecretStr | None = Field(
+        None, description="a bearer token for the MLflow server (MLflow's MLFLOW_TRACKING_TOKEN)"
+    )
+    tracker_queue_size: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="exports (a step's metrics, a step's rollouts) a worker holds per tracker while the tracker is "
+        "slow; beyond that they are dropped, with a warning event on the job",
+    )
+    tracker_close_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="how long a worker waits at a job's end for its trackers to flush"
+    )
+
+    @field_validator("wandb_api_key", "mlflow_tracking_token", "wandb_base_url", "mlflow_tracking_uri", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: object) -> object:
+        return None if v == "" else v  # `VAR=` in a compose file or an env file: not configured
+
+    @field_validator("wandb_base_url", "mlflow_tracking_uri")
+    @classmethod
+    def _tracker_url(cls, v: str | None) -> str | None:
+        if v is not None and not urlsplit(v).scheme:
+            raise ValueError(
+                "not a URL (expected e.g. https://wandb.example.com, http://mlflow:5000, file:///srv/mlruns)"
+            )
+        return v
 
     @field_validator("home")
     @classmethod

@@ -50,6 +50,7 @@ from api.db import session_scope
 from api.orm import now
 from api.repositories import runs
 from api.services import graders as graders_service
+from api.services.integrations import trainer_spec
 from api.services.jobs import reward_model_refs
 from api.settings import Settings
 from api.status import JobStatus
@@ -57,9 +58,11 @@ from api.storage import ArtifactStore, NotFound, StoreFull, store_from_url
 from api.tasks import RUN_JOB
 from trainer import metrics as M
 from worker import messages as msg
+from worker import trackers
 from worker.celery_app import app
 from worker.celery_app import settings as current_settings
 from worker.errors import ErrorCode, JobError
+from worker.estimate import Cadence, StepTime, estimated_finish, ran_validation
 from worker.lease import Heartbeat
 from worker.outbox import DatabaseUnavailable, Outbox, Write, is_transient, retry_db
 from worker.redact import Redactor
@@ -146,7 +149,19 @@ class _Attempt:
     resume_step: int = 0
     total_steps: int | None = None
     tokens_by_step: dict[int, int] = field(default_factory=dict)
-    step_seconds: list[float] = field(default_factory=list)
+    step_times: list[StepTime] = field(default_factory=list)  # this attempt's measured steps (worker.estimate)
+    checkpoint_seconds: list[float] = field(default_factory=list)
+    metrics_at: dict[int, float] = field(default_factory=dict)  # when each step's metrics arrived (monotonic)
+
+    def cadence(self) -> Cadence:
+        """The run's validation and checkpoint cadence, from its spec (the defaults are trainer.config's)."""
+        hp = self.spec["method"][self.spec["method"]["type"]].get("hyperparameters", {})
+        return Cadence(
+            total_steps=self.total_steps or 0,
+            eval_interval=int(hp.get("eval_interval") or 0),
+            checkpoint_interval=int(hp.get("checkpoint_interval") or 10),
+            validates=self.validation_file is not None,
+        )
 
 
 def _claim(settings: Settings, job_id: str, worker_id: str) -> _Attempt | None:
@@ -246,6 +261,7 @@ class _Runner:
         self.data_dir = run_dir / "data"  # the datasets' local copies the trainer reads
         self.stop_reason: str | None = None
         self.redactor = Redactor({})
+        self.trackers = trackers.Exporter([], job_id=attempt.job_id)  # run() starts the job's integrations
 
     def _db(self, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -306,7 +322,7 @@ class _Runner:
         """The datasets, the models and the spec with local paths in the run folder; the redactor that turns those
         paths back into the names the user gave."""
         a = self.a
-        spec = dict(a.spec)
+        spec = trainer_spec(a.spec)  # the integrations are this worker's (self.trackers), not the trainer's
         data = self.data_dir
         data.mkdir()
         local: dict[str, str] = {}
@@ -381,6 +397,38 @@ class _Runner:
     # -- the attempt ----------------------------------------------------------------------------------------------
 
     def run(self) -> str:
+        """The attempt, exported to the job's experiment trackers as it goes; they are closed with its outcome (after
+        it is recorded: a slow tracker does not delay the job's end)."""
+        outcome = "abandoned"  # the database stayed unreachable: another attempt continues the runs
+        self.trackers = trackers.start(self.settings, job_id=self.job_id, model=self.a.model, spec=self.a.spec)
+        try:
+            outcome = self._attempt()
+            return outcome
+        except DatabaseUnavailable:
+            raise
+        except Exception:
+            outcome = JobStatus.FAILED  # run_job fails the job (internal_error)
+            raise
+        finally:
+            self._close_trackers(outcome)
+
+    def _metric_rows(self, up_to: int) -> list[tuple[int, dict[str, float | None]]]:
+        with session_scope(self.url) as s:
+            return [(r.step, dict(r.values)) for r in runs.metric_rows(s, job_id=self.job_id, up_to=up_to)]
+
+    def _close_trackers(self, outcome: str) -> None:
+        """Flush and close the trackers (bounded by ``tracker_close_timeout_s``) and record their last warnings; an
+        attempt that lost the job, or the database, writes nothing more."""
+        self.trackers.close(outcome)
+        if outcome in ("lost", "abandoned"):
+            return
+        for warning in self.trackers.events():
+            try:
+                self._db("record an export warning", self._event_write("warn", warning.message, data=warning.data).run)
+            except Exception:
+                log.warning("job %s: could not record an export warning: %s", self.job_id, warning.message)
+
+    def _attempt(self) -> str:
         a = self.a
         try:
             self._prepare_files()
@@ -392,6 +440,7 @@ class _Runner:
             step = self._restore()
             if step:
                 self._record_event("info", f"Resuming from the checkpoint at step {step} (attempt {a.attempt})")
+                self.trackers.backfill(self._db("read the metrics", lambda: self._metric_rows(step)))
             else:
                 self._record_event(
                     "info", "Fine-tuning job started" + (f" (attempt {a.attempt})" if a.attempt > 1 else "")
@@ -573,23 +622,30 @@ class _Runner:
         self._db("record an event", self._event_write(level, message).run)
 
     def _on_message(self, message: msg.RunnerMessage, outbox: Outbox) -> None:
+        for warning in self.trackers.events():  # export failures, as the job's warnings
+            outbox.add(self._event_write("warn", warning.message, data=warning.data))
         match message:
             case msg.Stopping(completed_step=done):
                 what = "Cancellation" if self.stop_reason == "cancel" else "Pause"
                 text = f"{what} requested: the trainer stops after step {done + 1} at the latest"
                 outbox.add(self._event_write("info", text, data={"completed_step": done}))
             case msg.Checkpoint():
+                if (arrived := self.a.metrics_at.get(message.step)) is not None:  # saved after its step's metrics
+                    self.a.checkpoint_seconds.append(time.monotonic() - arrived)
                 self._checkpoint_writes(message.step, Path(message.path), message.metrics, outbox)
             case msg.Started():
                 self.a.total_steps = message.total_steps
+                self.trackers.config({"total_steps": message.total_steps})
                 outbox.add(self._progress_write(self.a.resume_step, eta=None))
             case msg.Event():
                 text, data = self.redactor.text(message.message), self.redactor.value(message.data)
                 outbox.add(self._event_write(message.level, text, data=data))
             case msg.Rollouts(step=step, rollouts=rollouts):
                 outbox.add(Write(f"rollouts of step {step}", lambda: self._write_rollouts(step, rollouts)))
+                self.trackers.rollouts(step, rollouts)
             case msg.Metrics():
                 self._metrics_writes(message.step, message.metrics, outbox)
+                self.trackers.metrics(message.step, message.metrics)
             case msg.Done() | msg.Error():  # the run's outcome: _supervise handles it
                 raise AssertionError(f"{message.kind} is not a progress message")
 
@@ -626,13 +682,13 @@ class _Runner:
         data = {"step": step, "total_steps": a.total_steps, **values}
         outbox.add(self._event_write("info", f"Step {step}/{a.total_steps}", data=data, type="metrics"))
         a.tokens_by_step[step] = step_tokens(values)
+        a.metrics_at[step] = time.monotonic()
         secs = values.get(M.STEP_SECONDS)
         if secs is not None:
-            a.step_seconds.append(secs)
+            a.step_times.append(StepTime(step=step, seconds=secs, evaluated=ran_validation(values)))
         eta = None
-        if a.total_steps and a.step_seconds:
-            mean = sum(a.step_seconds) / len(a.step_seconds)
-            eta = int(time.time() + mean * max(a.total_steps - step, 0))
+        if a.total_steps:
+            eta = estimated_finish(a.step_times, a.checkpoint_seconds, done=step, cadence=a.cadence(), now=time.time())
         outbox.add(self._progress_write(step, eta=eta))
 
     def _checkpoint_writes(self, step: int, path: Path, metrics: dict[str, float | None], outbox: Outbox) -> None:

@@ -33,12 +33,14 @@ from api.repositories import jobs as jobs_repo
 from api.repositories import runs as runs_repo
 from api.schemas import FineTuningJob, JobCreate
 from api.services import graders as graders_service
+from api.services import integrations as integrations_service
+from api.services import model_limits
 from api.settings import Settings
 from api.status import NOT_STARTED, TERMINAL_STATUSES, WAITING, JobStatus
 from api.storage import ArtifactStore
 from api.storage import NotFound as ArtifactNotFound
 from api.tasks import RUN_JOB
-from trainer.config import SpecError, parse_spec
+from trainer.config import JobSpec, SpecError, parse_spec
 
 log = logging.getLogger("proxima.api.jobs")
 
@@ -99,9 +101,7 @@ def _commit_and_enqueue(*, session: Session, settings: Settings, job: Job) -> No
 
 def _spec_input(body: JobCreate) -> dict[str, Any]:
     """The body as ``parse_spec`` takes it: OpenAI's deprecated top-level ``hyperparameters`` moved under the
-    method, ``integrations`` refused unless empty, a random seed when none is given (as OpenAI does)."""
-    if body.integrations:
-        raise InvalidRequest("integrations are not supported", param="integrations", code="invalid_integrations")
+    method, a random seed when none is given (as OpenAI does); ``integrations`` are not the trainer's (``create``)."""
     raw: dict[str, Any] = {"model": body.model, "training_file": body.training_file}
     for name in ("validation_file", "suffix", "metadata", "method"):
         if (value := getattr(body, name)) is not None:
@@ -185,16 +185,45 @@ def _resolve_reward_models(session: Session, *, tenant: Caller, spec_json: dict[
         leaf["model"] = job.id
 
 
-def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCreate) -> Job:
-    """Validate the spec, check the files (they exist, are the tenant's and are datasets), write the job in
-    ``validating_files`` and enqueue it.
+def _fit_lengths(
+    spec: JobSpec, spec_json: dict[str, Any], *, settings: Settings, body: JobCreate
+) -> dict[str, Any] | None:
+    """Resolve the method's token lengths against the model's context (``api.services.model_limits``): a length the
+    user gave that cannot fit is a 400 naming it; those left at their default are clamped in ``spec_json``. Returns
+    the creation event's data recording them (the worker fits them to the longest prompt), None when the method has
+    no length left at its default."""
+    mtype = spec.method.type
+    hp = spec.method.hyperparameters
+    fields = model_limits.length_fields(mtype)
+    explicit = hp.model_fields_set & set(fields)
+    defaults = {f: int(getattr(hp, f)) for f in fields if f not in explicit}
+    contexts = [model_limits.context_length(spec.model, settings.model_store)]
+    if (value_model := getattr(hp, "value_model", None)) is not None:  # PPO's critic reads the same sequences
+        contexts.append(model_limits.context_length(value_model, settings.model_store))
+    known = [c for c in contexts if c is not None]
+    context = min(known) if known else None
+    if context is not None:
+        key = body.method.get("type") if isinstance(body.method, dict) else None
+        where = f"method.{key if isinstance(key, str) else mtype}.hyperparameters"
+        try:
+            resolved = model_limits.fit_spec(mtype, hp.model_dump(), explicit=explicit, context=context)
+        except model_limits.LengthError as err:
+            raise InvalidRequest(
+                f"{err.message} ({spec.model})", param=f"{where}.{err.field}", code="context_length_exceeded"
+            ) from None
+        spec_json["method"][mtype]["hyperparameters"].update(resolved)
+        defaults.update({f: v for f, v in resolved.items() if f in defaults})
+    if not defaults:
+        return None
+    return {model_limits.LENGTH_DEFAULTS: defaults, model_limits.CONTEXT_TOKENS: context}
 
-    Unlike other services this one commits (through the request's session) before publishing, because a worker
-    must find the row when the message arrives; everything that can fail, building the answer included, happens
-    before that commit (``_commit_and_enqueue``). The files' contents are the worker's to validate: a dataset that
-    does not fit the method fails the job (``invalid_file``, naming the file and the line), not the request, as
-    OpenAI's ``validating_files`` does.
-    """
+
+def validated_spec(
+    *, session: Session, settings: Settings, tenant: Caller, body: JobCreate
+) -> tuple[JobSpec, dict[str, Any], dict[str, Any] | None]:
+    """What a job's creation checks, without writing anything: the spec parses, the model is offered, the grader and
+    reward models are valid, the lengths fit the model, the files are the tenant's datasets. Returns the spec with
+    its lengths resolved, its stored JSON and the creation event's data (:func:`_fit_lengths`)."""
     try:
         spec = parse_spec(_spec_input(body))
     except SpecError as err:
@@ -206,6 +235,8 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
             code="model_not_available",
         )
     spec_json = spec.to_json()
+    if integrations := integrations_service.parse(body.integrations, settings=settings):
+        spec_json[integrations_service.INTEGRATIONS] = integrations  # the worker's trackers (stored, shown back)
     grader = spec_json["method"][spec.method.type].get("grader")
     if isinstance(grader, dict):  # python sources (checked in a sandbox), remote graders' models, metrics and URLs
         graders_service.check_job_grader(grader, param=f"method.{spec.method.type}.grader", settings=settings)
@@ -220,7 +251,23 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
     _check_dataset_file(session, tenant=tenant, file_id=spec.training_file, param="training_file")
     if spec.validation_file is not None:
         _check_dataset_file(session, tenant=tenant, file_id=spec.validation_file, param="validation_file")
+    created_data = _fit_lengths(spec, spec_json, settings=settings, body=body)
+    hp = type(spec.method.hyperparameters).model_validate(spec_json["method"][spec.method.type]["hyperparameters"])
+    spec = spec.model_copy(update={"method": spec.method.model_copy(update={"hyperparameters": hp})})
+    return spec, spec_json, created_data
 
+
+def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCreate) -> Job:
+    """Validate the spec, check the files (they exist, are the tenant's and are datasets), write the job in
+    ``validating_files`` and enqueue it.
+
+    Unlike other services this one commits (through the request's session) before publishing, because a worker
+    must find the row when the message arrives; everything that can fail, building the answer included, happens
+    before that commit (``_commit_and_enqueue``). The files' contents are the worker's to validate: a dataset that
+    does not fit the method fails the job (``invalid_file``, naming the file and the line), not the request, as
+    OpenAI's ``validating_files`` does.
+    """
+    spec, spec_json, created_data = validated_spec(session=session, settings=settings, tenant=tenant, body=body)
     job = jobs_repo.add(
         session,
         row=Job(
@@ -239,7 +286,7 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
             current_step=0,
         ),
     )
-    jobs_repo.add_event(session, job_id=job.id, level="info", message="Created fine-tuning job")
+    jobs_repo.add_event(session, job_id=job.id, level="info", message="Created fine-tuning job", data=created_data)
     # The answer is built before the commit, so that whatever could fail in building it fails the request with
     # nothing stored (the route builds the same object from the same row).
     FineTuningJob.from_row(job).model_dump_json()

@@ -7,8 +7,10 @@ import { mountCompare } from "./views/compare.js";
 import { mountCreate } from "./views/create.js";
 import { mountJob } from "./views/job.js";
 import { mountJobs } from "./views/jobs.js";
+import { mountPlayground } from "./views/playground.js";
 import { mountRollouts } from "./views/rollouts.js";
 import { mountSignIn } from "./views/signin.js";
+import { mountWebhooks } from "./views/webhooks.js";
 
 const main = document.getElementById("main");
 let cleanup = null;
@@ -16,10 +18,12 @@ let signInNotice = null;
 
 const ROUTES = [
   [/^#\/jobs\/([\w-]+)\/rollouts$/, (m, q) => mountRollouts(main, { jobId: m[1], step: q.get("step") }), "jobs"],
+  [/^#\/jobs\/([\w-]+)\/playground$/, (m) => mountPlayground(main, { jobId: m[1] }), "jobs"],
   [/^#\/jobs\/([\w-]+)$/, (m) => mountJob(main, { jobId: m[1] }), "jobs"],
   [/^#\/(?:jobs)?$/, (m, q) => mountJobs(main, { status: q.get("status"), method: q.get("method") }), "jobs"],
   [/^#\/compare$/, (m, q) => mountCompare(main, { jobs: q.get("jobs"), metric: q.get("metric") }), "compare"],
   [/^#\/new$/, () => mountCreate(main), "new"],
+  [/^#\/webhooks$/, () => mountWebhooks(main), "webhooks"],
 ];
 
 function parseHash() {

@@ -86,6 +86,7 @@ export function mountJob(main, { jobId }) {
       { class: "head-actions" },
       updated,
       h("a", { class: "btn", href: `#/jobs/${jobId}/rollouts`, text: "Rollouts" }),
+      h("a", { class: "btn", href: `#/jobs/${jobId}/playground`, text: "Playground" }),
       h("a", { class: "btn", href: `#/compare?jobs=${jobId}`, text: "Compare" }),
       pauseBtn,
       resumeBtn,
