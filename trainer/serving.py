@@ -507,22 +507,25 @@ class InferenceEngine:
         self._pending = [r for r in self._pending if not r.cancelled]
         if not self._pending:
             return []
-        base = self._pending[0].base
-        wave: list[_Request] = []
-        rows = 0
-        keys: set[str] = set()
+        return self._take_fitting(self._pending[0].base, rows=0, keys=set(), first_always=True)
+
+    def _take_fitting(self, base: str, *, rows: int, keys: set[str], first_always: bool) -> list[_Request]:
+        """The pending requests for ``base``, oldest first, that fit beside ``rows`` rows using the adapters ``keys``
+        (max_batch rows, max_adapters adapters), taken off the queue; with ``first_always`` the first is taken
+        whatever its size. Called with the lock held."""
+        taken: list[_Request] = []
         for req in self._pending:
             if req.base != base:
                 continue
             new_keys = keys | ({req.adapter.key} if req.adapter else set())
-            if wave and (rows + req.sampling.n > self.max_batch or len(new_keys) > self.max_adapters):
-                continue
-            wave.append(req)
-            rows += req.sampling.n
-            keys = new_keys
-        taken = set(map(id, wave))
-        self._pending = [r for r in self._pending if id(r) not in taken]
-        return wave
+            fits = rows + req.sampling.n <= self.max_batch and len(new_keys) <= self.max_adapters
+            if fits or (first_always and not taken):
+                taken.append(req)
+                rows += req.sampling.n
+                keys = new_keys
+        chosen = set(map(id, taken))
+        self._pending = [r for r in self._pending if id(r) not in chosen]
+        return taken
 
     def _load_base(self, b: _Base) -> torch.nn.Module:
         if b.model is None:
@@ -646,19 +649,8 @@ class InferenceEngine:
             self._pending = [r for r in self._pending if not r.cancelled]
             if not self._pending or any(r.base != base for r in self._pending):
                 return []
-            n = len(rows)
             keys = {r.req.adapter.key for r in rows if r.req.adapter is not None}
-            out: list[_Request] = []
-            for req in self._pending:
-                new_keys = keys | ({req.adapter.key} if req.adapter else set())
-                if n + req.sampling.n > self.max_batch or len(new_keys) > self.max_adapters:
-                    continue
-                out.append(req)
-                n += req.sampling.n
-                keys = new_keys
-            taken = set(map(id, out))
-            self._pending = [r for r in self._pending if id(r) not in taken]
-        return out
+            return self._take_fitting(base, rows=len(rows), keys=keys, first_always=False)
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
         """One token per row from logits [N, V]: greedy rows by argmax, the others by ``_sample_next`` (the
