@@ -27,7 +27,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")} | {"PROXIMA_HOME": str(home)}
     log = (home / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--port", str(port)],
+        [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--no-inference", "--port", str(port)],
         cwd=REPO,
         env=env,
         stdout=log,
@@ -82,7 +82,8 @@ def test_the_docs_render_every_operation_under_their_policy(
     )
     try:
         page.goto(f"{base}{page_path}")
-        page.wait_for_function(f"document.querySelectorAll({rendered!r}).length >= {operations}", timeout=30_000)
+        # ReDoc renders 31 operations in well under 30 s on an idle machine; a loaded 2-core CI machine needs more
+        page.wait_for_function(f"document.querySelectorAll({rendered!r}).length >= {operations}", timeout=90_000)
         assert page.locator(rendered).count() == operations
     finally:
         context.close()

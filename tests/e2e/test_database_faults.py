@@ -73,7 +73,7 @@ def api(cluster: PostgresCluster, tmp_path_factory: pytest.TempPathFactory) -> I
     }
     log = (root / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--port", str(port)],
+        [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--no-inference", "--port", str(port)],
         cwd=REPO,
         env=env,
         stdout=log,
@@ -128,7 +128,10 @@ def requests_for_every_route(api: Api) -> list[tuple[str, str, dict[str, Any]]]:
         "fine_tuning_job_id": api.job_id,
         "checkpoint_id": "ftckpt_none",
         "model_id": "tiny-arith",
+        "webhook_endpoint_id": "whep_none",
     }
+    chat = {"model": "tiny-arith", "messages": [{"role": "user", "content": "What is 1 + 1?"}], "max_tokens": 2}
+    endpoint = {"name": "e", "url": "https://example.com/hook", "event_types": ["fine_tuning.job.succeeded"]}
     bodies: dict[tuple[str, str], dict[str, Any]] = {
         ("POST", "/v1/files"): {"files": {"file": ("t.jsonl", b'{"prompt": "x"}\n')}, "data": {"purpose": "fine-tune"}},
         ("POST", "/v1/fine_tuning/jobs"): {"json": supervised_job(api.file_id)},
@@ -139,6 +142,13 @@ def requests_for_every_route(api: Api) -> list[tuple[str, str, dict[str, Any]]]:
         ("POST", "/v1/fine_tuning/alpha/graders/validate"): {
             "json": {"grader": {"type": "string_check", "name": "g", "input": "a", "reference": "a", "operation": "eq"}}
         },
+        ("POST", "/v1/fine_tuning/estimates"): {"json": supervised_job(api.file_id)},
+        # a base model's completion needs the database only to check the key (no inference server runs here)
+        ("POST", "/v1/chat/completions"): {"json": chat},
+        ("POST", "/v1/completions"): {"json": {"model": "tiny-arith", "prompt": "What is 1 + 1?", "max_tokens": 2}},
+        ("POST", "/v1/webhook_endpoints"): {"json": endpoint},
+        ("POST", "/v1/webhook_endpoints/{webhook_endpoint_id}"): {"json": {"name": "f"}},
+        ("POST", "/v1/webhook_endpoints/{webhook_endpoint_id}/rotate_secret"): {"json": {}},
     }
     out = []
     for template, item in document["paths"].items():

@@ -74,7 +74,7 @@ def two_apis(settings: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             log = (logs / f"api-{i}.log").open("w")
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "api.cli", "serve", "--no-worker"],
+                    [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--no-inference"],
                     env=_env(settings, PROXIMA_PORT=str(port)),
                     stdout=log,
                     stderr=log,
