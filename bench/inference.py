@@ -11,12 +11,13 @@ linear layer with random A and B, built here: its cost is that of any adapter of
   against the adapter: latency percentiles, requests/s and completion tokens/s;
 - **time to first token**: a streamed request's wall time until its first content chunk, with the adapter cold
   (registered under a fresh name just before: its weights load within the request) and warm (the same name again),
-  ``--ttft-rounds`` times each, medians reported.
+  and the base's, once a round.
 
-The 1-minute load average (``/proc/loadavg``) is printed before and after: run it on an idle machine.
+``--rounds`` rounds (3), base and adapter alternating which goes first; each window starts once the 1-minute load
+average is below ``--idle-load`` (1) and records it; medians over the rounds are reported with their range.
 
     .venv/bin/python bench/inference.py                      # the figures in BENCHMARKS.md
-    .venv/bin/python bench/inference.py --duration 1 --warmup 0.5 --clients 1 8 --ttft-rounds 1   # a smoke run
+    .venv/bin/python bench/inference.py --duration 1 --warmup 0.5 --clients 1 8 --rounds 1 --idle-load 99  # smoke
 """
 
 from __future__ import annotations
@@ -181,8 +182,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=30.0, help="measured seconds per (model, clients)")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each measurement")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--ttft-rounds", type=int, default=5)
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; base and adapter alternate which goes first")
+    parser.add_argument("--idle-load", type=float, default=1.0, help="a window starts once the load is below this")
     args = parser.parse_args()
     if not (args.model_dir / "config.json").is_file():
         raise SystemExit(f"no model in {args.model_dir}: build it with `proxima models build tiny-arith`")
@@ -190,51 +192,77 @@ def main() -> None:
     adapter = args.adapter or make_adapter(args.model_dir, work / "adapter")
     load_before = _loadavg()
     proc, url = start_server(work / "home", args.model_dir, args.precision)
+    windows: list[dict[str, Any]] = []
+    ttft: dict[str, list[float]] = {"base": [], "adapter_cold": [], "adapter_warm": []}
     try:
         register(url, "adapter", adapter)
-        results = [
-            load(url, model, clients, args.duration, args.max_tokens, args.warmup)
-            for clients in args.clients
-            for model in ("tiny-arith", "adapter")
-        ]
-        cold, warm = [], []
-        for i in range(args.ttft_rounds):
-            copy = work / f"adapter-{i}"  # a new path and name: nothing of it is loaded yet
+        for rnd in range(args.rounds):
+            # the two sides alternate which goes first, round by round
+            models = ("tiny-arith", "adapter") if rnd % 2 == 0 else ("adapter", "tiny-arith")
+            for clients in args.clients:
+                for model in models:
+                    start_load = _wait_for_idle(args.idle_load)
+                    w = load(url, model, clients, args.duration, args.max_tokens, args.warmup)
+                    w |= {"round": rnd + 1, "load_start": start_load, "load_end": _loadavg()}
+                    windows.append(w)
+                    print(
+                        f"round {rnd + 1} {model:10s} {clients:3d} clients: {w['requests_per_s']:.1f} req/s, "
+                        f"p50 {w['p50_ms']:.1f} ms, p99 {w['p99_ms']:.1f} ms, errors {w['errors']}; "
+                        f"load {start_load:.2f} → {w['load_end']:.2f}",
+                        flush=True,
+                    )
+            _wait_for_idle(args.idle_load)
+            copy = work / f"adapter-{rnd}"  # a new path and name: nothing of it is loaded yet
             shutil.copytree(adapter, copy)
-            register(url, f"cold-{i}", copy)
-            cold.append(first_token_s(url, f"cold-{i}"))
-            warm.append(first_token_s(url, f"cold-{i}"))
-        base_ttft = [first_token_s(url, "tiny-arith") for _ in range(args.ttft_rounds)]
+            register(url, f"cold-{rnd}", copy)
+            ttft["adapter_cold"].append(first_token_s(url, f"cold-{rnd}"))
+            ttft["adapter_warm"].append(first_token_s(url, f"cold-{rnd}"))
+            ttft["base"].append(first_token_s(url, "tiny-arith"))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
     summary = {
-        "load": results,
-        "ttft_ms": {
-            "base": 1000 * statistics.median(base_ttft),
-            "adapter_cold": 1000 * statistics.median(cold),
-            "adapter_warm": 1000 * statistics.median(warm),
-        },
+        "windows": windows,
+        "ttft_ms": {k: [1000 * x for x in v] for k, v in ttft.items()},
         "loadavg_before": load_before,
         "loadavg_after": _loadavg(),
         "precision": args.precision,
         "duration_s": args.duration,
+        "rounds": args.rounds,
     }
-    print("| model | clients | requests/s | completion tokens/s | p50 ms | p95 ms | p99 ms | errors |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        print(
-            f"| {r['model']} | {r['clients']} | {r['requests_per_s']:.1f} | {r['completion_tokens_per_s']:.1f} | "
-            f"{r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors']} |"
-        )
+
+    def spread(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.1f} ({min(xs):.1f}–{max(xs):.1f})"
+
+    print(f"\nmedians over {args.rounds} rounds (range):")
+    print("| model | clients | requests/s | completion tokens/s | p50 ms | p99 ms | errors | load at starts |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for clients in args.clients:
+        for model in ("tiny-arith", "adapter"):
+            ws = [w for w in windows if w["model"] == model and w["clients"] == clients]
+            loads = [w["load_start"] for w in ws]
+            print(
+                f"| {model} | {clients} | {spread([w['requests_per_s'] for w in ws])} | "
+                f"{spread([w['completion_tokens_per_s'] for w in ws])} | {spread([w['p50_ms'] for w in ws])} | "
+                f"{spread([w['p99_ms'] for w in ws])} | {sum(w['errors'] for w in ws)} | "
+                f"{min(loads):.2f}–{max(loads):.2f} |"
+            )
     t = summary["ttft_ms"]
     print(
-        f"\ntime to first token (median ms): base {t['base']:.1f}, adapter cold {t['adapter_cold']:.1f}, "
-        f"warm {t['adapter_warm']:.1f}"
+        f"\ntime to first token, median ms (range): base {spread(t['base'])}, adapter cold "
+        f"{spread(t['adapter_cold'])}, warm {spread(t['adapter_warm'])}"
     )
     print(f"load average: {load_before:.2f} before, {summary['loadavg_after']:.2f} after")
     print("RESULT " + json.dumps(summary))
+
+
+def _wait_for_idle(limit: float, patience_s: float = 300.0) -> float:
+    """Wait until the 1-minute load average is below ``limit`` (at most ``patience_s``); the load then."""
+    deadline = time.monotonic() + patience_s
+    while _loadavg() >= limit and time.monotonic() < deadline:
+        time.sleep(2)
+    return _loadavg()
 
 
 if __name__ == "__main__":
