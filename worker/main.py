@@ -15,6 +15,7 @@ from api.settings import Settings, get_settings
 from worker.celery_app import configure
 from worker.sweeper import QUEUED_GRACE_S, SWEEP_INTERVAL_S, Sweeper
 from worker.tasks import STOP_GRACE_CONF, STOP_GRACE_S  # importing it registers proxima.jobs.run
+from worker.validation import preload_tokenising_code
 from worker.webhooks import WebhookDeliverer
 
 
@@ -37,6 +38,7 @@ def run_worker(
     if settings.celery_broker_url.startswith("sqla+"):
         # kombu's SQLAlchemy transport creates its tables on first use; the folder of a SQLite file must exist.
         settings.home.mkdir(parents=True, exist_ok=True)
+    preload_tokenising_code()  # before any lease is held (worker.validation)
     sweeper = Sweeper(app, settings, interval=sweep_interval, queued_grace_seconds=queued_grace_seconds)
     sweeper.start()
     deliverer = WebhookDeliverer(settings)  # webhooks go out wherever a worker runs (worker.webhooks)

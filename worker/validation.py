@@ -15,6 +15,7 @@ re-enqueues.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -81,6 +82,14 @@ def _job_files(job: Job) -> list[tuple[str, str, str]]:
     if job.validation_file:
         files.append(("validation", "validation_file", job.validation_file))
     return files
+
+
+def preload_tokenising_code() -> None:
+    """Import the trainer's tokenising code (torch, transformers) before the worker takes any job: fitting lengths
+    tokenises prompts in this process, and importing torch holds the GIL for seconds at a time, during which the
+    lease heartbeat of the job being validated could not run (a lease lost to an import)."""
+    for module in ("trainer.encoding", "trainer.models"):
+        importlib.import_module(module)
 
 
 @dataclass(frozen=True)
