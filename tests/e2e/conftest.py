@@ -307,3 +307,36 @@ def model_copy(random_model_dir: Path, tmp_path: Path) -> Path:
     out = tmp_path / "model"
     shutil.copytree(random_model_dir, out)
     return out
+
+
+# -- the browser (Playwright driving Debian's Chromium) --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    from tests.e2e.dashboard_support import CHROMIUM
+
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: the browser tests drive Debian's Chromium. "
+            "`make test` installs it (`make system-tools` alone), or `apt-get install -y chromium`."
+        )
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM))
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    """A fresh browser profile at 1280×800; a script error in the page fails the test."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800}, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda err: errors.append(str(err)))
+    yield page
+    context.close()
+    assert not errors, f"script errors in the page: {errors}"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, sync_playwright
+from playwright.sync_api import Browser
 
-from tests.e2e.dashboard_support import CHROMIUM, free_port
+from tests.e2e.dashboard_support import free_port
 from tests.e2e.postgres_cluster import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,16 +49,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.terminate()
         proc.wait(timeout=15)
         log.close()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: `apt-get install -y chromium` (`make test` installs it)")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM))
-        yield browser
-        browser.close()
 
 
 @pytest.mark.parametrize(

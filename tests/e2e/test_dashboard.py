@@ -19,12 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
+from playwright.sync_api import Locator, Page, expect
 
 from trainer import metrics as M
 
 from .dashboard_support import (
-    CHROMIUM,
     DashboardServer,
     create_job,
     hyperparameters,
@@ -83,32 +82,6 @@ def deployment(
         api.close()
     finally:
         server.close()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: the dashboard tests drive Debian's Chromium. "
-            "`make test` installs it (`make system-tools` alone), or `apt-get install -y chromium`."
-        )
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM))
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    """A fresh browser profile at 1280×800; a script error in the page fails the test."""
-    context = browser.new_context(viewport={"width": 1280, "height": 800}, accept_downloads=True)
-    page = context.new_page()
-    page.set_default_timeout(20_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda err: errors.append(str(err)))
-    yield page
-    context.close()
-    assert not errors, f"script errors in the page: {errors}"
 
 
 def screenshot(page: Page, name: str, *, full_page: bool = True) -> None:

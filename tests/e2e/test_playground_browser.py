@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
-from .dashboard_support import CHROMIUM, DashboardServer
+from .dashboard_support import DashboardServer
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("PROXIMA_TEST_ARTIFACTS") or REPO / "test-artifacts") / "dashboard"
@@ -95,28 +95,6 @@ def deployment(
         server.close()
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: the dashboard tests drive Debian's Chromium (`apt-get install chromium`).")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM))
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda err: errors.append(str(err)))
-    yield page
-    context.close()
-    assert not errors, f"script errors in the page: {errors}"
-
-
 def sign_in(page: Page, d: Deployment, key: str) -> None:
     page.goto(d.dashboard)
     page.get_by_label("API key").fill(key)
@@ -153,6 +131,7 @@ def test_playground_samples_base_and_checkpoint_side_by_side_with_grader_scores(
     page: Page, deployment: Deployment
 ) -> None:
     d = deployment
+    page.set_default_timeout(60_000)  # 12 samples through the inference server on a 2-core machine
     sign_in(page, d, d.key_a)
     page.goto(f"{d.dashboard}#/jobs/{d.job.id}")
     page.get_by_role("link", name="Playground").click()

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
-from .dashboard_support import CHROMIUM, DashboardServer, upload
+from .dashboard_support import DashboardServer, upload
 
 VERIFIER = OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1")
 
@@ -64,30 +64,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, random_model_dir: Path) -> 
         yield s
     finally:
         s.close()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: the dashboard tests drive Debian's Chromium (`apt-get install -y chromium`)"
-        )
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM))
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 800})
-    page = context.new_page()
-    page.set_default_timeout(20_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda err: errors.append(str(err)))
-    yield page
-    context.close()
-    assert not errors, f"script errors in the page: {errors}"
 
 
 def test_create_see_the_secret_once_get_a_delivery_rotate_and_delete(
