@@ -194,3 +194,38 @@ def metrics(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
     r = client.get(f"/fine_tuning/jobs/{job_id}/metrics")
     r.raise_for_status()
     return list(r.json()["data"])
+
+
+# What reaches past the right edge of a narrow viewport: each element (tag, classes, text) whose box ends beyond
+# ``width``, deepest first, so that a failing width check names the culprit instead of a number.
+_OVERFLOWING_JS = """(width) => {
+  const out = [];
+  for (const el of document.querySelectorAll("body *")) {
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 || r.right <= width + 0.5) continue;
+    if ([...el.children].some((c) => c.getBoundingClientRect().right > width + 0.5)) continue;
+    const names = typeof el.className === "string" ? el.className.trim().split(/\\s+/).filter(Boolean) : [];
+    const cls = names.map((n) => "." + n).join("");
+    const text = (el.textContent || "").trim().slice(0, 60);
+    out.push(`${el.tagName.toLowerCase()}${cls} right=${Math.round(r.right)}: ${text}`);
+  }
+  return out;
+}"""
+
+
+def overflowing(page: Any, width: int) -> list[str]:
+    """The innermost elements that end beyond ``width`` pixels (an empty list when the page fits)."""
+    result: list[str] = page.evaluate(_OVERFLOWING_JS, width)
+    return result
+
+
+def assert_fits(page: Any, width: int, *, settle_ms: int = 5_000) -> None:
+    """Nothing on the page is wider than a ``width``-pixel viewport once it has laid itself out again; the message
+    names what is. The charts refit in a ResizeObserver callback, which runs at the next frame, not at once after a
+    viewport change: right after one, a chart can still have its old width (CI saw 404 px at 390, loaded)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    with contextlib.suppress(PlaywrightTimeout):
+        page.wait_for_function("(w) => document.documentElement.scrollWidth <= w", arg=width, timeout=settle_ms)
+    scroll = page.evaluate("document.documentElement.scrollWidth")
+    assert scroll <= width, f"the page is {scroll}px wide at a {width}px viewport: {overflowing(page, width)}"

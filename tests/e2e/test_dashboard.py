@@ -25,6 +25,7 @@ from trainer import metrics as M
 
 from .dashboard_support import (
     DashboardServer,
+    assert_fits,
     create_job,
     hyperparameters,
     metrics,
@@ -182,11 +183,11 @@ def test_job_page_charts_have_one_point_per_step_the_metrics_endpoint_returns(
     # A narrow screen: one column, nothing wider than the viewport.
     page.set_viewport_size({"width": 390, "height": 844})
     expect(chart(page, "reward")).to_be_visible()
-    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    assert_fits(page, 390)
     screenshot(page, "job-narrow", full_page=False)
     go(page, d, "jobs")
     expect(page.locator(f'tr[data-job-id="{d.short}"]')).to_be_visible()
-    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    assert_fits(page, 390)
     screenshot(page, "jobs-narrow", full_page=False)
 
 
