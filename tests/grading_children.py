@@ -13,12 +13,12 @@ from trainer import graders, grading_pool
 _grade = graders.grade
 
 
-def grade(grader, *, output_text, item, model_scores=None):
+def grade(grader, *, output_text, item, model_scores=None, output_tools=()):
     if output_text.startswith("hang"):
         re.match(r"(a+)+$", "a" * 64 + "b")  # exponential backtracking inside one C call that holds the GIL
     if output_text.startswith("crash"):
         os._exit(3)
-    return _grade(grader, output_text=output_text, item=item, model_scores=model_scores)
+    return _grade(grader, output_text=output_text, item=item, model_scores=model_scores, output_tools=output_tools)
 
 
 graders.grade = grade

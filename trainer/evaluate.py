@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,6 +48,12 @@ def configure_remote(config: remote_graders.RemoteConfig) -> None:
     _remote = (config, remote_graders.JudgeBudget(config.max_judge_calls))
 
 
+def remote_config() -> remote_graders.RemoteConfig:
+    """This process's remote configuration (`configure_remote`): an agent job's tool calls obey its URL policy and
+    limits as endpoint graders do."""
+    return _remote[0]
+
+
 def remote_budget() -> remote_graders.JudgeBudget:
     """This process's judge budget (its `used` count says how many judge calls were made)."""
     return _remote[1]
@@ -78,6 +85,9 @@ def grade_batch(
     texts: Sequence[str],
     items: Sequence[PromptItem],
     reasons: Sequence[graders.FinishReason] | None = None,
+    *,
+    output_tools: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    trace_ids: Sequence[str] | None = None,
 ) -> Scores:
     """Grade each (text, item) pair: rewards [N] and each named sub-grader's scores [N].
 
@@ -91,7 +101,9 @@ def grade_batch(
     does a spent judge budget; a remote leaf this process has no service for raises `graders.GraderError`.
 
     `reasons`: why each completion ended (`finish_reasons`), the `finish_reason` of the `sample` object python and
-    endpoint graders get; `stop` for all when not given."""
+    endpoint graders get; `stop` for all when not given. An agent episode's `text` is its final answer,
+    `output_tools` its tool calls (OpenAI's `sample.output_tools`) and `trace_ids` the trace id its tool calls carried
+    (an endpoint grader's `trace_id`)."""
     names = graders.grader_names(grader)
     rows = [it.item for it in items]
     by_model: dict[str, Tensor] = {}  # the same reward model, prompt and normalisation are scored once
@@ -102,13 +114,20 @@ def grade_batch(
             by_model[same] = reward_model.score_samples(leaf, texts, rows)
         model_scores[key] = by_model[same].tolist()
     try:
-        python = graders.grade_python_leaves(grader, python_sandbox(), texts, rows, reasons)
+        python = graders.grade_python_leaves(grader, python_sandbox(), texts, rows, reasons, output_tools)
     except SandboxUnavailable as err:
         raise graders.GraderFailed(f"python graders cannot run on this worker: {err}") from None
     config, budget = _remote
     try:
         remote = remote_graders.grade_remote_leaves(
-            grader, texts, rows, config=config, budget=budget, finish_reasons=reasons
+            grader,
+            texts,
+            rows,
+            config=config,
+            budget=budget,
+            finish_reasons=reasons,
+            output_tools=output_tools,
+            trace_ids=trace_ids,
         )
     except remote_graders.BudgetSpent as err:
         raise graders.GraderFailed(str(err)) from None
@@ -120,7 +139,7 @@ def grade_batch(
             for score, errs in zip(model_scores[grader.name], batched_errors, strict=True)
         ]
     else:
-        results = _grade_in_pool(grader, texts, rows, model_scores)
+        results = _grade_in_pool(grader, texts, rows, model_scores, output_tools)
         results = [
             graders.GradeResult(r.score, r.sub_scores, tuple(dict.fromkeys((*errs, *r.errors)))) if errs else r
             for r, errs in zip(results, batched_errors, strict=True)
@@ -139,9 +158,12 @@ def _grade_in_pool(
     texts: Sequence[str],
     rows: Sequence[dict[str, object]],
     model_scores: dict[str, list[float]],
+    output_tools: Sequence[Sequence[Mapping[str, Any]]] | None = None,
 ) -> list[graders.GradeResult]:
     samples = [
-        grading_pool.Sample(text, row, {key: s[i] for key, s in model_scores.items()})
+        grading_pool.Sample(
+            text, row, {key: s[i] for key, s in model_scores.items()}, output_tools[i] if output_tools else ()
+        )
         for i, (text, row) in enumerate(zip(texts, rows, strict=True))
     ]
     try:

@@ -181,7 +181,7 @@ class _Ref:
 
 
 _PATH_SEGMENT_RE = re.compile(r"[^\s.{}]+")
-_SAMPLE_FIELDS = ("output_text",)
+_SAMPLE_FIELDS = ("output_text", "output_tools")
 
 
 @functools.lru_cache(maxsize=256)  # keys are at most MAX_TEMPLATE_CHARS long: the cache holds a few MB at most
@@ -213,7 +213,7 @@ def _parse_ref(inner: str, raw: str) -> _Ref:
     if not path or not all(_PATH_SEGMENT_RE.fullmatch(segment) for segment in path):
         raise ValueError(f"invalid reference {raw}; expected {{{{{namespace}.<field>}}}}")
     if namespace == "sample":
-        if path != ("output_text",):
+        if len(path) != 1 or path[0] not in _SAMPLE_FIELDS:
             valid = ", ".join("{{sample." + f + "}}" for f in _SAMPLE_FIELDS)
             raise ValueError(f"unsupported sample field in {raw}; supported: {valid}")
         return _Ref("sample", path)
@@ -226,7 +226,8 @@ def _validate_template(value: str) -> str:
 
 
 Template = Annotated[str, StringConstraints(max_length=MAX_TEMPLATE_CHARS), AfterValidator(_validate_template)]
-"""A string that may contain `{{sample.output_text}}` and `{{item.<path>}}`; at most MAX_TEMPLATE_CHARS long."""
+"""A string that may contain `{{sample.output_text}}`, `{{sample.output_tools}}` (an agent episode's tool calls as
+JSON) and `{{item.<path>}}`; at most MAX_TEMPLATE_CHARS long."""
 
 
 def _lookup(item: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
@@ -252,6 +253,7 @@ class _Context:
     item: Mapping[str, Any]
     errors: list[GradeError]
     model_scores: Mapping[str, float]
+    output_tools: Sequence[Mapping[str, Any]] = ()
 
 
 def _render(template: str, grader_name: str, ctx: _Context) -> str:
@@ -261,7 +263,10 @@ def _render(template: str, grader_name: str, ctx: _Context) -> str:
         if isinstance(part, str):
             out.append(part)
         elif part.namespace == "sample":
-            out.append(ctx.output_text)
+            if part.path == ("output_tools",):
+                out.append(json.dumps(list(ctx.output_tools), ensure_ascii=False))
+            else:
+                out.append(ctx.output_text)
         else:
             found, value = _lookup(ctx.item, part.path)
             if not found:
@@ -1100,13 +1105,17 @@ def grade(
     output_text: str,
     item: Mapping[str, Any],
     model_scores: Mapping[str, float] | None = None,
+    output_tools: Sequence[Mapping[str, Any]] = (),
 ) -> GradeResult:
     """Score one sample. sub_scores: {grader.name: score} for a single grader; for a multi, {key: score} of
     each sub-grader, a nested multi adding its own key and its children as `key.child`.
 
     `model_scores`: the scores of the grader's reward_model leaves, keyed as `model_graders` names them (computed
-    in batches by `trainer.evaluate.grade_batch`); a reward_model leaf without one raises `GraderError`."""
-    ctx = _Context(output_text=output_text, item=item, errors=[], model_scores=model_scores or {})
+    in batches by `trainer.evaluate.grade_batch`); a reward_model leaf without one raises `GraderError`.
+    `output_tools`: an agent episode's tool calls (OpenAI's `sample.output_tools`), empty for a single reply."""
+    ctx = _Context(
+        output_text=output_text, item=item, errors=[], model_scores=model_scores or {}, output_tools=output_tools
+    )
     if isinstance(grader, MultiGrader):
         score, sub_scores = _grade_multi(grader, ctx)
     else:
@@ -1328,11 +1337,16 @@ def is_batched(grader: Grader) -> bool:
 
 
 def render(
-    template: str, grader_name: str, *, output_text: str, item: Mapping[str, Any]
+    template: str,
+    grader_name: str,
+    *,
+    output_text: str,
+    item: Mapping[str, Any],
+    output_tools: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[str, list[GradeError]]:
     """A template filled with the sample and the item, and the problems met (a missing item field renders as '' and
     adds an `invalid_variable` error), as every grader renders its templates."""
-    ctx = _Context(output_text=output_text, item=item, errors=[], model_scores={})
+    ctx = _Context(output_text=output_text, item=item, errors=[], model_scores={}, output_tools=output_tools)
     return _render(template, grader_name, ctx), ctx.errors
 
 
@@ -1416,6 +1430,7 @@ def grade_python_leaves(
     output_texts: Sequence[str],
     items: Sequence[Mapping[str, Any]],
     finish_reasons: Sequence[FinishReason] | None = None,
+    output_tools: Sequence[Sequence[Mapping[str, Any]]] | None = None,
 ) -> PythonScores:
     """Grade every python leaf of `grader` over the batch, one sandbox per leaf (leaves with the same source share
     it), with OpenAI's `sample` object (`sample_object`, with each sample's `finish_reason`: `stop` where none is
@@ -1426,7 +1441,11 @@ def grade_python_leaves(
     if not leaves or not output_texts:
         return PythonScores({key: [] for key, _ in leaves}, errors)
     reasons = finish_reasons or ["stop"] * len(output_texts)
-    samples = [sample_object(text, finish_reason=reason) for text, reason in zip(output_texts, reasons, strict=True)]
+    tools = output_tools or [()] * len(output_texts)
+    samples = [
+        sample_object(text, finish_reason=reason, output_tools=calls)
+        for text, reason, calls in zip(output_texts, reasons, tools, strict=True)
+    ]
     by_source: dict[str, list[Result]] = {}
     for key, leaf in leaves:
         if leaf.source not in by_source:
@@ -1439,14 +1458,21 @@ def grade_python_leaves(
     return PythonScores(scores, errors)
 
 
-def sample_object(output_text: str, *, finish_reason: FinishReason = "stop") -> dict[str, Any]:
+def sample_object(
+    output_text: str,
+    *,
+    finish_reason: FinishReason = "stop",
+    output_tools: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
     """OpenAI's `sample` of a python grader (and of the graders guide's `{{sample.*}}`) for a chat completion:
     `output_text`; `output_json`, the text parsed as JSON when it is JSON (else None; NaN and infinities are not);
-    `output_tools`, the tool calls (none here); `choices`, the one chat-completions choice; `output_audio` None."""
+    `output_tools`, the tool calls of an agent episode in chat-completions shape (`{"id", "type": "function",
+    "function": {"name", "arguments"}}`; none for a single reply); `choices`, the one chat-completions choice (its
+    message the final answer, which calls no tool); `output_audio` None."""
     return {
         "output_text": output_text,
         "output_json": _parse_json(output_text),
-        "output_tools": [],
+        "output_tools": [dict(c) for c in output_tools],
         "choices": [
             {
                 "index": 0,

@@ -13,7 +13,8 @@ The processes speak JSON lines, never pickle, so that a process need not be trus
 speaking the same protocol, and whatever it answers is checked before it becomes a `GradeResult`:
 
     process → parent, once started:  {"ready": true}
-    parent → process, per batch:     {"grader": {...}, "samples": [{"output_text", "item", "model_scores"}, ...]}
+    parent → process, per batch:     {"grader": {...}, "samples": [{"output_text", "item", "model_scores",
+                                                                    "output_tools"?}, ...]}
     process → parent:                {"grader": {...as validated...}} or {"grader_error": {"message", "param"}};
                                      then per sample {"score", "sub_scores", "errors": [[message, kind], ...]}, or
                                      {"grader_error": ...}, which ends the batch (a reward_model leaf without scores)
@@ -73,6 +74,7 @@ class Sample:
     output_text: str
     item: Mapping[str, Any]
     model_scores: Mapping[str, float] = field(default_factory=dict)
+    output_tools: Sequence[Mapping[str, Any]] = ()  # an agent episode's tool calls (`{{sample.output_tools}}`)
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,9 @@ class GradingPool:
         start. A sample that times out or whose process dies is a result with an error flag, never an exception."""
         limit = self.sample_timeout_s if sample_timeout_s is None else sample_timeout_s
         encoded = [
-            {"output_text": s.output_text, "item": dict(s.item), "model_scores": dict(s.model_scores)} for s in samples
+            {"output_text": s.output_text, "item": dict(s.item), "model_scores": dict(s.model_scores)}
+            | ({"output_tools": [dict(c) for c in s.output_tools]} if s.output_tools else {})
+            for s in samples
         ]
         results: list[graders.GradeResult] = []
         seconds: list[float] = []
@@ -450,7 +454,11 @@ def _serve_batch(grader_json: Any, samples: list[dict[str, Any]], reply: Any) ->
     for sample in samples:
         try:
             result = graders.grade(
-                grader, output_text=sample["output_text"], item=sample["item"], model_scores=sample["model_scores"]
+                grader,
+                output_text=sample["output_text"],
+                item=sample["item"],
+                model_scores=sample["model_scores"],
+                output_tools=sample.get("output_tools", ()),
             )
         except graders.GraderError as err:  # a reward_model leaf without its scores: the batch cannot be graded
             reply({"grader_error": {"message": str(err), "param": err.param}})

@@ -191,7 +191,7 @@ class AnswerError(ValueError):
 _FENCE_RE = re.compile(r"```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```", re.DOTALL)
 
 
-def _refuse_constant(name: str) -> Any:
+def refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
@@ -202,18 +202,18 @@ def json_object(text: str) -> dict[str, Any]:
     if (fence := _FENCE_RE.fullmatch(body)) is not None:
         body = fence.group(1).strip()
     try:
-        value = json.loads(body, parse_constant=_refuse_constant)
+        value = json.loads(body, parse_constant=refuse_constant)
     except (ValueError, RecursionError):
-        raise AnswerError(f"not a JSON object: {_short(text)}") from None
+        raise AnswerError(f"not a JSON object: {short(text)}") from None
     if not isinstance(value, dict):
-        raise AnswerError(f"not a JSON object: {_short(text)}")
+        raise AnswerError(f"not a JSON object: {short(text)}")
     return value
 
 
 def _steps_ok(answer: dict[str, Any]) -> None:
     steps = answer.get("steps")
     if steps is not None and not isinstance(steps, list):
-        raise AnswerError(f"'steps' is not a list: {_short(json.dumps(steps))}")
+        raise AnswerError(f"'steps' is not a list: {short(json.dumps(steps))}")
 
 
 def parse_score(content: str, low: float, high: float) -> float:
@@ -223,7 +223,7 @@ def parse_score(content: str, low: float, high: float) -> float:
     _steps_ok(answer)
     result = answer.get("result")
     if not _is_number(result):
-        raise AnswerError(f"'result' is not a number: {_short(json.dumps(result))}")
+        raise AnswerError(f"'result' is not a number: {short(json.dumps(result))}")
     value = float(result)
     if not math.isfinite(value):
         raise AnswerError(f"'result' is not finite: {value}")
@@ -239,7 +239,7 @@ def parse_label(content: str, labels: Sequence[str]) -> str:
     _steps_ok(answer)
     result = answer.get("result")
     if not isinstance(result, str) or result not in labels:
-        raise AnswerError(f"'result' {_short(json.dumps(result))} is not one of the labels {list(labels)}")
+        raise AnswerError(f"'result' {short(json.dumps(result))} is not one of the labels {list(labels)}")
     return result
 
 
@@ -247,7 +247,7 @@ def judge_message(answer: Any) -> tuple[str | None, str | None]:
     """(content, refusal) of a chat completion's first choice; AnswerError when it has none."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise AnswerError(f"a chat completion without choices: {_short(json.dumps(answer))}")
+        raise AnswerError(f"a chat completion without choices: {short(json.dumps(answer))}")
     message = choices[0].get("message")
     if not isinstance(message, dict):
         raise AnswerError("a chat completion choice without a message")
@@ -262,10 +262,10 @@ def judge_message(answer: Any) -> tuple[str | None, str | None]:
 def parse_endpoint_score(answer: Any) -> float:
     """An endpoint grader's answer `{"score": <number>}` → the score (finite; other keys are ignored)."""
     if not isinstance(answer, dict):
-        raise AnswerError(f"not a JSON object: {_short(json.dumps(answer))}")
+        raise AnswerError(f"not a JSON object: {short(json.dumps(answer))}")
     score = answer.get("score")
     if not _is_number(score) or not math.isfinite(float(score)):
-        raise AnswerError(f"'score' is not a finite number: {_short(json.dumps(score))}")
+        raise AnswerError(f"'score' is not a finite number: {short(json.dumps(score))}")
     return float(score)
 
 
@@ -331,7 +331,7 @@ def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _short(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+def short(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -370,12 +370,12 @@ class _RateLimiter:
 
 
 @dataclass
-class _Http:
+class HttpClient:
     client: httpx.AsyncClient
     config: RemoteConfig
     slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)
 
-    def _slot(self, service: str) -> asyncio.Semaphore:
+    def slot(self, service: str) -> asyncio.Semaphore:
         if service not in self.slots:
             self.slots[service] = asyncio.Semaphore(self.config.concurrency)
         return self.slots[service]
@@ -398,33 +398,33 @@ class _Http:
         retry_after: float | None = None
         for attempt in range(self.config.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self._backoff(attempt, retry_after))
+                await asyncio.sleep(self.backoff(attempt, retry_after))
             if before_attempt is not None:
                 await before_attempt()
             try:
-                async with self._slot(service):
-                    status, content, retry_after = await self._once(url, body, headers, extensions, max_bytes)
+                async with self.slot(service):
+                    status, content, retry_after = await self.once(url, body, headers, extensions, max_bytes)
             except CallFailed as failed:
                 if failed.cause not in _RETRIED:
                     raise
                 last = failed
                 continue
             if status >= 500 or status == 429:
-                last = CallFailed(f"http_{status}", f"HTTP {status}: {_short(_text(content))}")
+                last = CallFailed(f"http_{status}", f"HTTP {status}: {short(_text(content))}")
                 continue
             if 300 <= status < 400:
                 raise CallFailed("redirect", f"HTTP {status}: redirects are not followed")
             if status >= 400:
-                raise CallFailed(f"http_{status}", f"HTTP {status}: {_short(_text(content))}")
+                raise CallFailed(f"http_{status}", f"HTTP {status}: {short(_text(content))}")
             try:
-                return json.loads(content, parse_constant=_refuse_constant)
+                return json.loads(content, parse_constant=refuse_constant)
             except (ValueError, RecursionError):
-                raise CallFailed("not_json", f"the answer is not JSON: {_short(_text(content))}") from None
+                raise CallFailed("not_json", f"the answer is not JSON: {short(_text(content))}") from None
         assert last is not None
         tries = self.config.max_retries + 1
         raise CallFailed(last.cause, f"after {tries} tr{'y' if tries == 1 else 'ies'}: {last.detail}")
 
-    async def _once(
+    async def once(
         self,
         url: str | httpx.URL,
         body: bytes,
@@ -450,10 +450,10 @@ class _Http:
         except httpx.TimeoutException:
             raise CallFailed("timeout", f"no answer within {timeout:g} s") from None
         except (httpx.TransportError, OSError) as err:
-            detail = f"connection failed ({type(err).__name__}: {_short(str(err), 200)})"
+            detail = f"connection failed ({type(err).__name__}: {short(str(err), 200)})"
             raise CallFailed("connection", detail) from None
 
-    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+    def backoff(self, attempt: int, retry_after: float | None) -> float:
         wait = min(MAX_BACKOFF_S, self.config.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
         if retry_after is not None:
             wait = max(wait, min(retry_after, MAX_RETRY_AFTER_S))
@@ -487,7 +487,7 @@ _SampleResult = tuple[float, list[GradeError]]
 
 @dataclass
 class _Batch:
-    http: _Http
+    http: HttpClient
     config: RemoteConfig
     budget: JudgeBudget
     resolver: Resolver | None
@@ -495,7 +495,12 @@ class _Batch:
     items: Sequence[Mapping[str, Any]]
     deadline: float | None
     finish_reasons: Sequence[graders.FinishReason] | None = None
+    output_tools: Sequence[Sequence[Mapping[str, Any]]] | None = None  # an agent episode's tool calls, per sample
+    trace_ids: Sequence[str] | None = None  # an agent episode's trace id (its tool calls had it), per sample
     usage: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def tools_of(self, i: int) -> Sequence[Mapping[str, Any]]:
+        return self.output_tools[i] if self.output_tools is not None else ()
 
     async def bounded(
         self, work: Awaitable[_SampleResult], fail: Callable[[CallFailed], _SampleResult]
@@ -517,8 +522,8 @@ class _Batch:
         url = judge.base_url.rstrip("/") + "/chat/completions"
         headers = _auth(judge.api_key)
         requests: list[tuple[bytes, list[GradeError]]] = []
-        for text, item in zip(self.output_texts, self.items, strict=True):
-            messages, errors = _judge_messages(leaf, text, item)
+        for i, (text, item) in enumerate(zip(self.output_texts, self.items, strict=True)):
+            messages, errors = _judge_messages(leaf, text, item, self.tools_of(i))
             requests.append((json.dumps(_judge_body(leaf, judge, messages)).encode(), errors))
         # Identical requests (the same rendered prompt: a group's identical completions) are asked once per batch.
         answers: dict[bytes, asyncio.Task[_SampleResult]] = {}
@@ -548,7 +553,7 @@ class _Batch:
         try:
             content, refusal = judge_message(answer)
             if refusal is not None:
-                problem = f"{leaf.type} grader {leaf.name!r}: the judge refused ({_short(refusal)}); scored 0.0"
+                problem = f"{leaf.type} grader {leaf.name!r}: the judge refused ({short(refusal)}); scored 0.0"
                 return 0.0, [GradeError(problem, "model_grader_refusal", "refusal")]
             assert content is not None
             if isinstance(leaf, graders.ScoreModelGrader):
@@ -582,10 +587,10 @@ class _Batch:
         reasons = self.finish_reasons or ["stop"] * len(self.output_texts)
         tasks = [
             self.bounded(
-                self._endpoint_once(leaf, pinned, headers, service, limiter, text, item, reason),
+                self._endpoint_once(leaf, pinned, headers, service, limiter, text, item, reason, i),
                 lambda f: _endpoint_failure(leaf, f),
             )
-            for text, item, reason in zip(self.output_texts, self.items, reasons, strict=True)
+            for i, (text, item, reason) in enumerate(zip(self.output_texts, self.items, reasons, strict=True))
         ]
         return list(await asyncio.gather(*tasks))
 
@@ -599,9 +604,11 @@ class _Batch:
         text: str,
         item: Mapping[str, Any],
         finish_reason: graders.FinishReason,
+        i: int,
     ) -> _SampleResult:
-        sample = graders.sample_object(text, finish_reason=finish_reason)
-        payload = {"sample": sample, "item": dict(item), "trace_id": f"trace_{uuid.uuid4().hex}"}
+        sample = graders.sample_object(text, finish_reason=finish_reason, output_tools=self.tools_of(i))
+        trace_id = self.trace_ids[i] if self.trace_ids is not None else f"trace_{uuid.uuid4().hex}"
+        payload = {"sample": sample, "item": dict(item), "trace_id": trace_id}
         try:
             body = json.dumps(payload, allow_nan=False).encode()
         except ValueError as err:
@@ -701,13 +708,18 @@ class _Batch:
 
 
 def _judge_messages(
-    leaf: graders.ScoreModelGrader | graders.LabelModelGrader, output_text: str, item: Mapping[str, Any]
+    leaf: graders.ScoreModelGrader | graders.LabelModelGrader,
+    output_text: str,
+    item: Mapping[str, Any],
+    output_tools: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[list[dict[str, Any]], list[GradeError]]:
     """The grader's input as chat-completions messages, its templates rendered (text blocks become `text` parts)."""
     errors: list[GradeError] = []
 
     def render(template: str) -> str:
-        value, found = graders.render(template, leaf.name, output_text=output_text, item=item)
+        value, found = graders.render(
+            template, leaf.name, output_text=output_text, item=item, output_tools=output_tools
+        )
         errors.extend(found)
         return value
 
@@ -775,13 +787,17 @@ def grade_remote_leaves(
     resolver: Resolver | None = None,
     deadline_s: float | None = None,
     finish_reasons: Sequence[graders.FinishReason] | None = None,
+    output_tools: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    trace_ids: Sequence[str] | None = None,
 ) -> RemoteScores:
     """Score every remote leaf of `grader` over the batch, all leaves and samples concurrently (bounded per service).
 
     Raises `ConfigMissing` (a GraderError naming the field) when a leaf needs a service `config` lacks, and
     `BudgetSpent` once the judge budget is spent (the batch's other requests are cancelled). `deadline_s` bounds the
     whole batch (dry-runs): a sample without an answer by then fails with cause `deadline`. Runs its own event loop:
-    call it from a thread that has none running."""
+    call it from a thread that has none running. `output_tools` and `trace_ids`: an agent episode's tool calls (the
+    `sample.output_tools` of endpoint graders and `{{sample.output_tools}}` of judges) and the trace id its tool
+    calls carried (an endpoint grader's `trace_id`), per sample."""
     leaves = graders.remote_graders(grader)
     errors: list[list[GradeError]] = [[] for _ in output_texts]
     if not leaves or not output_texts:
@@ -790,7 +806,9 @@ def grade_remote_leaves(
         if (missing := missing_service(leaf, config, param)) is not None:
             raise missing
     results, usage = asyncio.run(
-        _grade(leaves, output_texts, items, config, budget, resolver, deadline_s, finish_reasons)
+        _grade(
+            leaves, output_texts, items, config, budget, resolver, deadline_s, finish_reasons, output_tools, trace_ids
+        )
     )
     scores: dict[str, list[float]] = {}
     for (key, _, _), per_sample in zip(leaves, results, strict=True):
@@ -809,11 +827,24 @@ async def _grade(
     resolver: Resolver | None,
     deadline_s: float | None,
     finish_reasons: Sequence[graders.FinishReason] | None,
+    output_tools: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    trace_ids: Sequence[str] | None = None,
 ) -> tuple[list[list[_SampleResult]], dict[str, dict[str, int]]]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=config.concurrency)
     async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits, **CLIENT_OPTIONS) as client:
         deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
-        batch = _Batch(_Http(client, config), config, budget, resolver, output_texts, items, deadline, finish_reasons)
+        batch = _Batch(
+            HttpClient(client, config),
+            config,
+            budget,
+            resolver,
+            output_texts,
+            items,
+            deadline,
+            finish_reasons,
+            output_tools,
+            trace_ids,
+        )
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(_grade_leaf(batch, leaf)) for _, _, leaf in leaves]

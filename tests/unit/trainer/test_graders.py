@@ -1,5 +1,6 @@
 """trainer.graders: hand-computed scores for every grader type, templates, formulas, parse errors."""
 
+import json
 from typing import Any
 
 import pytest
@@ -217,8 +218,17 @@ class TestTemplates:
 
     def test_other_sample_fields_are_rejected(self) -> None:
         assert parse_error(string_check(reference="{{sample.output_json}}")) == (
-            "grader.reference: unsupported sample field in {{sample.output_json}}; supported: {{sample.output_text}}"
+            "grader.reference: unsupported sample field in {{sample.output_json}}; supported: {{sample.output_text}}, "
+            "{{sample.output_tools}}"
         )
+
+    def test_output_tools_renders_an_episodes_tool_calls_as_json(self) -> None:
+        calls = [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"e": "1+2"}'}}]
+        grader = parse_grader({**string_check(reference="{{item.calls}}"), "input": "{{sample.output_tools}}"})
+        item = {"calls": json.dumps(calls)}
+        assert grade(grader, output_text="3", item=item, output_tools=calls).score == 1.0
+        assert grade(grader, output_text="3", item=item).score == 0.0  # no calls: "[]"
+        assert grade(grader, output_text="3", item={"calls": "[]"}).score == 1.0
 
     def test_item_without_a_field_is_rejected(self) -> None:
         assert parse_error(string_check(reference="{{item}}")).startswith(
