@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from trainer import graders
+from trainer.agent_spec import AgentSpec
 from trainer.names import AggregationName, DPOLossType, KLEstimatorName
 from trainer.recipes import RECIPES
 
@@ -341,11 +342,16 @@ OPENAI_ALIASES = {"reinforcement": "grpo"}
 
 
 class RLMethod(_Strict):
-    """The body under ``method.<type>`` for an online RL method."""
+    """The body under ``method.<type>`` for an online RL method. ``tools`` and ``max_episode_steps`` (OpenAI's agent
+    RFT), or ``environment`` (a sandboxed Python environment), make its rollouts multi-turn episodes
+    (``trainer.agent_spec``)."""
 
     grader: dict[str, Any]
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
     lora: LoraSpec = Field(default_factory=LoraSpec)
+    tools: list[dict[str, Any]] | None = None
+    environment: dict[str, Any] | None = None
+    max_episode_steps: int | None = None
 
 
 class TrainingMethod(_Strict):
@@ -364,6 +370,7 @@ class MethodSpec(BaseModel):
     hyperparameters: Hyperparameters
     grader: graders.Grader | None
     lora: LoraSpec
+    agent: AgentSpec | None = None  # tools / environment: episodes instead of single replies
 
     @property
     def data_format(self) -> Literal["prompts", "preferences", "supervised"]:
@@ -375,6 +382,8 @@ class MethodSpec(BaseModel):
             block["grader"] = self.grader.model_dump(mode="json", exclude_none=True)
         block["hyperparameters"] = self.hyperparameters.model_dump(mode="json")
         block["lora"] = self.lora.model_dump(mode="json")
+        if self.agent is not None:
+            block |= self.agent.to_json()
         return {"type": self.type, self.type: block}
 
 
@@ -450,7 +459,35 @@ def _parse_method(raw: Any) -> MethodSpec:
             raise SpecError(str(err), param=f"method.{mtype}.grader") from None
     if isinstance(hp, RLHyperparameters):
         _check_rl_method(key, hp, f"method.{mtype}.hyperparameters")
-    return MethodSpec(type=key, hyperparameters=hp, grader=grader, lora=body.lora)
+    agent = _parse_agent(body, f"method.{mtype}") if isinstance(body, RLMethod) else None
+    return MethodSpec(type=key, hyperparameters=hp, grader=grader, lora=body.lora, agent=agent)
+
+
+def _parse_agent(body: RLMethod, where: str) -> AgentSpec | None:
+    """``tools`` / ``environment`` / ``max_episode_steps`` of an online method's body: None when it has neither tools
+    nor an environment (``max_episode_steps`` alone is refused: it would do nothing)."""
+    if body.tools is None and body.environment is None:
+        if body.max_episode_steps is not None:
+            raise SpecError("has no effect without tools or an environment", param=f"{where}.max_episode_steps")
+        return None
+    raw: dict[str, Any] = {"tools": body.tools or []}
+    if body.environment is not None:
+        raw["environment"] = body.environment
+    if body.max_episode_steps is not None:
+        raw["max_episode_steps"] = body.max_episode_steps
+    try:
+        return AgentSpec.model_validate(raw)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = _loc(e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if not loc and ": " in msg and msg.split(": ", 1)[0].replace(".", "").replace("_", "").isalnum():
+            loc, msg = msg.split(": ", 1)  # the model validator names its field at the start of its message
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "missing":
+            msg = "field required"
+        raise SpecError(msg, param=f"{where}.{loc}" if loc else where) from None
 
 
 def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:

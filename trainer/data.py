@@ -10,11 +10,12 @@ loading the training stack. Tokenising, batching and sampling orders live in ``t
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from trainer import graders, json_values
+from trainer.agent_spec import AgentSpec, ToolSpec, parse_line_tools
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -36,6 +37,7 @@ class PromptItem:
     messages: list[dict[str, str]]
     item: dict[str, Any] = field(default_factory=dict)
     line: int = 0  # 1-based line in its file, for error messages
+    tools: list[ToolSpec] | None = None  # an agent job's tools offered for this item (None: all the job's)
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
@@ -87,8 +89,11 @@ def parse_prompt_line(obj: Any, line: int = 0) -> PromptItem:
     raise ValueError("no prompt: expected a 'messages' list or a 'prompt' string")
 
 
-def load_prompts(path: Path, *, grader: graders.Grader | None = None) -> list[PromptItem]:
-    """Read and validate an RL prompt file; with a grader, every item must hold the fields its templates name."""
+def load_prompts(
+    path: Path, *, grader: graders.Grader | None = None, agent: AgentSpec | None = None
+) -> list[PromptItem]:
+    """Read and validate an RL prompt file; with a grader, every item must hold the fields its templates name. With an
+    agent spec, a line's ``tools`` (``trainer.agent_spec.parse_line_tools``) are the tools offered for that item."""
     if not path.is_file():
         raise DatasetError("file not found", path=str(path))
     items: list[PromptItem] = []
@@ -99,6 +104,11 @@ def load_prompts(path: Path, *, grader: graders.Grader | None = None) -> list[Pr
             raise DatasetError(str(err), line=n, path=str(path)) from None
         if grader is not None and (problem := graders.check_item(grader, item.item)):
             raise DatasetError(problem, line=n, path=str(path))
+        if agent is not None and "tools" in item.item:
+            try:
+                item = replace(item, tools=parse_line_tools(item.item["tools"], agent))
+            except ValueError as err:
+                raise DatasetError(str(err), line=n, path=str(path)) from None
         items.append(item)
     if not items:
         raise DatasetError("the file holds no examples", path=str(path))

@@ -73,11 +73,16 @@ def encode_prompts(
     *,
     max_prompt_tokens: int,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Sequence[Mapping[str, Any]]] | None = None,
 ) -> list[list[int]]:
-    """Token ids of each prompt (special tokens come from the chat template, none are added again)."""
+    """Token ids of each prompt (special tokens come from the chat template, none are added again). ``tools``: the
+    function definitions offered with each item (an agent job), passed to the chat template as ``tools``."""
     out: list[list[int]] = []
-    for item in items:
-        ids = tokenizer(prompt_text(tokenizer, item.messages, template_kwargs), add_special_tokens=False)["input_ids"]
+    for i, item in enumerate(items):
+        kwargs = dict(template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = [dict(t) for t in tools[i]]
+        ids = tokenizer(prompt_text(tokenizer, item.messages, kwargs), add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
             raise PromptTooLongError(item, len(ids), max_prompt_tokens)
         out.append(list(ids))

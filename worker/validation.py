@@ -70,7 +70,7 @@ def check_dataset(path: Path, spec: JobSpec) -> int:
     (reward_model, dpo), or conversations ending with an assistant turn (supervised)."""
     fmt = spec.method.data_format
     if fmt == "prompts":
-        return len(load_prompts(path, grader=spec.method.grader))
+        return len(load_prompts(path, grader=spec.method.grader, agent=spec.method.agent))
     if fmt == "preferences":
         return len(load_preferences(path))
     return len(load_supervised(path))
@@ -117,7 +117,7 @@ def _longest_prompt(
     template = thinking_kwargs(tokenizer, str(getattr(hp, "reasoning_effort", "default"))) or {}
     longest, at = 0, ("training", "training_file", "", 0)
     for which, param, file_id, path in datasets:
-        items = load_prompts(path, grader=spec.method.grader)
+        items = load_prompts(path, grader=spec.method.grader, agent=spec.method.agent)
         ids = encode_prompts(tokenizer, items, max_prompt_tokens=MAX_TOKENS, template_kwargs=template)
         for item, prompt in zip(items, ids, strict=True):
             if len(prompt) > longest:
