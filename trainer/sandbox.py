@@ -35,6 +35,10 @@ top-level code raised or ran past `startup_timeout_s`: every sample), `timeout`,
 `crash` (the sandbox died or answered garbage; OpenAI's `python_grader_server_error` with that type). An error that
 is not the grader's (bubblewrap cannot start, no uid slot is free) raises `SandboxUnavailable` instead.
 
+A python environment of agent episodes (issue 15) runs in the same sandbox, one per episode: `SandboxSession` keeps a
+sandbox, and its uid slot, for as long as the episode lasts, its runner `trainer.environment_runner` answering one
+request at a time (reset, then each step) within the wall time the caller gives each.
+
 Checking a source (`check_source`) parses it in a sandbox too, never in the caller: a hostile 256 kB source takes
 seconds of CPU and hundreds of MB to parse (measured: 6.5 s for an f-string of 87,000 placeholders).
 
@@ -58,7 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -292,14 +296,24 @@ class _Stop(Exception):
 
 class _Sandbox:
     """The runner in a sandbox, with the parent's ends of its pipes: stdin (requests), stdout (replies) and stderr
-    (whatever the grader prints, counted and its tail kept)."""
+    (whatever the grader prints, counted and its tail kept). `runner`: the program's source (the python grader's
+    by default; a `SandboxSession` brings its own), `max_reply_bytes`: the longest reply line read from it."""
 
-    def __init__(self, config: SandboxConfig, *, uid: int, cpu_seconds: int) -> None:
+    def __init__(
+        self,
+        config: SandboxConfig,
+        *,
+        uid: int,
+        cpu_seconds: int,
+        runner: bytes = _RUNNER,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
+    ) -> None:
         self.config = config
         self.uid = uid
+        self.max_reply_bytes = max_reply_bytes
         read_end, write_end = os.pipe()
         try:
-            os.write(write_end, _RUNNER)
+            os.write(write_end, runner)
             os.close(write_end)
             argv = sandbox_argv(config, uid=uid, cpu_seconds=cpu_seconds, runner_fd=read_end)
             self._proc = subprocess.Popen(
@@ -337,8 +351,8 @@ class _Sandbox:
         """The next reply, writing what is to be sent meanwhile; raises _Stop past `deadline` (monotonic), when the
         grader has printed too much, or when the sandbox has gone or sent something that is not a reply."""
         while (end := self._replies.find(b"\n")) == -1:
-            if len(self._replies) > MAX_REPLY_BYTES:
-                raise _Stop("crash", f"the sandbox sent a reply longer than {MAX_REPLY_BYTES} bytes")
+            if len(self._replies) > self.max_reply_bytes:
+                raise _Stop("crash", f"the sandbox sent a reply longer than {self.max_reply_bytes} bytes")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _Stop("timeout", "")
@@ -453,6 +467,20 @@ class _Sandbox:
         self.kill()
 
 
+def _await_started(sandbox: _Sandbox) -> None:
+    """Wait for a new sandbox's `{"started": true}`; SandboxUnavailable when it does not come within
+    `startup_timeout_s` (nothing of the tenant's has run yet, so what bwrap printed is safe to show)."""
+    try:
+        started = sandbox.receive(time.monotonic() + sandbox.config.startup_timeout_s)
+    except _Stop as stop:
+        detail = sandbox.output_tail() or stop.message or "no answer"
+        if stop.kind == "timeout":
+            detail = f"it did not start within {sandbox.config.startup_timeout_s:g} s"
+        raise SandboxUnavailable(f"the sandbox did not start: {detail}") from None
+    if started != {"started": True}:
+        raise SandboxUnavailable(f"the sandbox did not start: it answered {started!r:.200}")
+
+
 def _children(pid: int) -> list[int]:
     """The pids of the children of `pid` (Linux's task children file; else a scan of /proc)."""
     try:
@@ -495,15 +523,7 @@ class PythonSandbox:
             self.starts += 1
         sandbox = _Sandbox(self.config, uid=uid, cpu_seconds=cpu_seconds)
         try:
-            try:
-                started = sandbox.receive(time.monotonic() + self.config.startup_timeout_s)
-            except _Stop as stop:
-                detail = sandbox.output_tail() or stop.message or "no answer"
-                if stop.kind == "timeout":
-                    detail = f"it did not start within {self.config.startup_timeout_s:g} s"
-                raise SandboxUnavailable(f"the sandbox did not start: {detail}") from None
-            if started != {"started": True}:
-                raise SandboxUnavailable(f"the sandbox did not start: it answered {started!r:.200}")
+            _await_started(sandbox)
             sandbox.send(first)
             return sandbox, sandbox.receive(time.monotonic() + reply_timeout_s)
         except BaseException:
@@ -645,6 +665,78 @@ def _result(reply: Mapping[str, Any], i: int, seconds: float) -> Result:
     if len(reply) == 3 and kind in _RUNNER_KINDS and isinstance(error, str):
         return Result(0.0, error[: sandbox_runner.MAX_ERROR_CHARS], kind, seconds)
     raise _Stop("crash", "the sandbox sent something that is not a result")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sessions
+
+
+class SessionStopped(Exception):
+    """A session's sandbox stopped answering, and has been killed: why (`timeout`, `cpu_limit`, `output_limit`,
+    `crash`) and what happened."""
+
+    def __init__(self, kind: ResultKind, message: str) -> None:
+        super().__init__(message)
+        self.kind: ResultKind = kind
+        self.message = message
+
+
+class SandboxSession:
+    """One sandbox kept for a conversation of requests rather than a batch (a python environment's episode: reset,
+    then each step), under the same bubblewrap, uid slot and limits as a grading batch.
+
+    `runner` is the program's source (standard library only; bound at RUNNER_MOUNT as the grader's runner is), which
+    speaks JSON lines on stdin and stdout and says `{"started": true}` first. The session holds its uid slot until
+    `close`: at most `config.uid_slots` sessions and grading batches run at once on a host, more wait for a slot up
+    to `slot_wait_s`. Its CPU time is `config.cpu_seconds` in all (the sandbox's RLIMIT_CPU); the wall time of each
+    request is the caller's to give. Not thread-safe: one request at a time. Raises SandboxUnavailable when no
+    sandbox starts."""
+
+    def __init__(self, config: SandboxConfig, runner: bytes, *, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
+        self.config = config
+        self._slot = ExitStack()
+        self._sandbox: _Sandbox | None = None
+        try:
+            uid = self._slot.enter_context(_uid_slot(config))
+            self._sandbox = _Sandbox(
+                config, uid=uid, cpu_seconds=config.cpu_seconds, runner=runner, max_reply_bytes=max_reply_bytes
+            )
+            _await_started(self._sandbox)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def alive(self) -> bool:
+        """Whether the sandbox still runs (not closed, not stopped)."""
+        return self._sandbox is not None
+
+    def request(self, message: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send `message`; the reply (a JSON object) within `timeout_s` of wall time. Raises SessionStopped, the
+        sandbox killed and its slot released, when the reply took longer, the program printed more than
+        `output_bytes`, ran out of CPU time, died or answered something that is not a JSON object line; RuntimeError
+        once the session is closed."""
+        if self._sandbox is None:
+            raise RuntimeError("the sandbox session is closed")
+        self._sandbox.send(message)
+        try:
+            return self._sandbox.receive(time.monotonic() + timeout_s)
+        except _Stop as stop:
+            self.close()
+            raise SessionStopped(stop.kind, stop.message or f"no answer within {timeout_s:g} s") from None
+
+    def close(self, *, graceful: bool = False) -> None:
+        """End the sandbox and release its uid slot; `graceful`: close its stdin first so that the runner can exit on
+        its own (what is left is killed a second later). Idempotent."""
+        sandbox, self._sandbox = self._sandbox, None
+        try:
+            if sandbox is not None:
+                if graceful:
+                    sandbox.finish()
+                else:
+                    sandbox.kill()
+        finally:
+            self._slot.close()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -38,9 +38,11 @@ from api.errors import ApiError, InvalidRequest, Unavailable
 from api.schemas import GraderRunErrors, GraderRunMetadata, GraderRunResponse
 from api.settings import Settings
 from trainer import graders, remote_graders
+from trainer.agent_spec import AgentSpec
 from trainer.grading_pool import GradedBatch, GradingPool, GradingTimeout, GradingUnavailable, Sample
 from trainer.remote_graders import EmbeddingsConfig, JudgeConfig, RemoteConfig
 from trainer.sandbox import PythonSandbox, SandboxConfig, SandboxUnavailable, sandbox_available
+from trainer.tools import check_environment_source
 from trainer.url_policy import UrlRefused
 
 POOL_SIZE = 2
@@ -218,6 +220,40 @@ def check_job_grader(grader: dict[str, Any], *, param: str, settings: Settings) 
         parsed = graders.parse_grader(grader)  # validated by the spec already: linear and bounded
     if graders.remote_graders(parsed):
         check_remote_graders(parsed, remote_config(settings), param=param)
+
+
+def check_agent(agent: AgentSpec, *, param: str, settings: Settings) -> None:
+    """Job creation's check of an agent job: every tool's ``server_url`` is allowed by the deployment's URL policy
+    (the endpoint grader's: resolved, so blocks its thread on DNS), and an environment's source parses and defines
+    ``reset`` and ``step`` (checked in a sandbox, counted against MAX_IN_FLIGHT with the grader checks)."""
+    policy = remote_config(settings).url_policy
+    for i, tool in enumerate(agent.tools):
+        if tool.server_url is None:
+            continue
+        try:
+            policy.resolve_sync(tool.server_url)
+        except UrlRefused as err:
+            where = f"{param}.tools.{i}.server_url"
+            raise InvalidRequest(f"{where}: {err}", param=where, code="url_not_allowed") from None
+    if agent.environment is not None:
+        source = agent.environment.source
+        where = f"{param}.environment.source"
+        with _api_errors():
+            _grading.call_sync(lambda _: _check_environment_source(source, param=where))
+
+
+def _check_environment_source(source: str, *, param: str) -> None:
+    try:
+        reason = sandbox_available(SANDBOX)
+        if reason is not None:
+            raise SandboxUnavailable(reason)
+        problem = check_environment_source(source, SANDBOX)
+    except SandboxUnavailable as err:
+        raise InvalidRequest(
+            f"python environments cannot run on this server: {err}", param=param, code="sandbox_unavailable"
+        ) from None
+    if problem is not None:
+        raise InvalidRequest(f"{param}: {problem}", param=param, code="invalid_environment")
 
 
 @contextmanager

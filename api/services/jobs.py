@@ -240,6 +240,8 @@ def validated_spec(
     grader = spec_json["method"][spec.method.type].get("grader")
     if isinstance(grader, dict):  # python sources (checked in a sandbox), remote graders' models, metrics and URLs
         graders_service.check_job_grader(grader, param=f"method.{spec.method.type}.grader", settings=settings)
+    if spec.method.agent is not None:  # tool servers' URLs under the deployment's policy; an environment's source
+        graders_service.check_agent(spec.method.agent, param=f"method.{spec.method.type}", settings=settings)
     _resolve_reward_models(session, tenant=tenant, spec_json=spec_json)
     value_model = getattr(spec.method.hyperparameters, "value_model", None)
     if value_model is not None and value_model not in settings.base_models:
