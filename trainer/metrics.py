@@ -110,6 +110,30 @@ GRADER_ERROR_RATE = _metric(
     "returned no finite number, a sandbox timeout, CPU limit or crash, a grading timeout); each scored 0",
 )
 
+# Agent episodes (tools or an environment): the step's sampled episodes
+EPISODE_TURNS_MEAN = _metric("episode/turns_mean", "mean model turns per episode")
+EPISODE_TOOL_CALLS_MEAN = _metric("episode/tool_calls_mean", "mean tool calls per episode")
+EPISODE_TOOL_CALL_RATE = _metric("episode/tool_call_rate", "fraction of episodes that called a tool at least once")
+EPISODE_FORMAT_ERROR_FRAC = _metric(
+    "episode/format_error_frac", "fraction of episodes ended by a turn whose tool call did not parse"
+)
+EPISODE_TRUNCATED_FRAC = _metric(
+    "episode/truncated_frac", "fraction of episodes ended by max_episode_steps or the token budget before an answer"
+)
+EPISODE_POLICY_TOKENS_MEAN = _metric(
+    "episode/policy_tokens_mean", "mean tokens the policy wrote per episode", unit="tokens"
+)
+EPISODE_TOOL_TOKENS_MEAN = _metric(
+    "episode/tool_tokens_mean", "mean tokens of tool results and template per episode (not trained)", unit="tokens"
+)
+TOOL_ERROR_RATE = _metric(
+    "tools/error_rate", "fraction of the step's tool calls that failed (timeout, HTTP error, bad answer, unknown tool)"
+)
+TOOL_LATENCY_MEAN = _metric("tools/latency_s", "mean wall time of the step's tool calls", unit="s", timing=True)
+VAL_EPISODE_TOOL_CALL_RATE = _metric(
+    "val/episode/tool_call_rate", "fraction of greedy validation episodes that called a tool"
+)
+
 # PPO's value model (GAE advantages; the KL penalty is in the per-token reward)
 LOSS_VALUE = _metric("loss/value", "½·max((V − R)², (V_clipped − R)²), token mean, before vf_coef")
 VALUE_MEAN = _metric("value/mean", "mean V over completion tokens at sampling time")
@@ -135,9 +159,14 @@ VAL_TOKEN_ACCURACY = _metric("val/token_accuracy", "token_accuracy on the valida
 REWARD_OF_GRADER = Family("reward/{grader}/mean", "mean reward of one named sub-grader over the sampled completions")
 VAL_REWARD_OF_GRADER = Family("val/reward/{grader}/mean", "greedy mean reward of one named sub-grader on validation")
 
+# Series per tool of an agent job
+TOOL_CALLS_OF = Family("tools/{tool}/calls", "mean calls of one tool per episode")
+TOOL_ERRORS_OF = Family("tools/{tool}/errors", "failed calls of one tool in the step")
+TOOL_LATENCY_OF = Family("tools/{tool}/latency_s", "mean wall time of one tool's calls", unit="s")
+
 METRICS: Mapping[str, Metric] = MappingProxyType(_METRICS)
 """Every metric name that is not of a family, with its definition."""
-FAMILIES: tuple[Family, ...] = (REWARD_OF_GRADER, VAL_REWARD_OF_GRADER)
+FAMILIES: tuple[Family, ...] = (REWARD_OF_GRADER, VAL_REWARD_OF_GRADER, TOOL_CALLS_OF, TOOL_ERRORS_OF, TOOL_LATENCY_OF)
 
 TIMING_METRICS = frozenset(m.name for m in _METRICS.values() if m.timing)
 """Wall-clock metrics: everything else is a deterministic function of the seed on a given machine."""

@@ -27,6 +27,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from trainer import metrics as M
+from trainer.agent import AgentRollouts, episode_metrics
 from trainer.callbacks import Callback
 from trainer.config import JobSpec, PPOHyperparameters, RLHyperparameters
 from trainer.core_algos import (
@@ -52,7 +53,14 @@ from trainer.critic import build_critic
 from trainer.data import DatasetError, PromptItem, load_prompts
 from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts, thinking_kwargs
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
-from trainer.evaluate import GraderMonitor, decode_completions, evaluate_engine, finish_reasons, grade_batch
+from trainer.evaluate import (
+    GraderMonitor,
+    decode_completions,
+    evaluate_engine,
+    finish_reasons,
+    grade_batch,
+    remote_config,
+)
 from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
 from trainer.models import Precision, default_device, load_tokenizer, resolve_precision, trainable_parameters
 from trainer.recipes import RECIPES, Recipe
@@ -124,8 +132,12 @@ class RLTrainer(EngineLoop):
     def _load_data(self) -> None:
         """The prompts, tokenised and checked against the model's context: the input's errors, before any weight."""
         spec, hp = self.spec, self.hp
-        self.train_items = load_prompts(Path(spec.training_file), grader=self.grader)
-        self.val_items = load_prompts(Path(spec.validation_file), grader=self.grader) if spec.validation_file else []
+        self.train_items = load_prompts(Path(spec.training_file), grader=self.grader, agent=spec.method.agent)
+        self.val_items = (
+            load_prompts(Path(spec.validation_file), grader=self.grader, agent=spec.method.agent)
+            if spec.validation_file
+            else []
+        )
         self.tokenizer = load_tokenizer(spec.model)
         thinking = thinking_kwargs(self.tokenizer, hp.reasoning_effort)
         if thinking is None and hp.reasoning_effort != "default":
@@ -174,6 +186,19 @@ class RLTrainer(EngineLoop):
                 base_copy=policy.base_copy,
             )
         )
+        agent = spec.method.agent
+        self.agent = (
+            AgentRollouts(
+                agent,
+                self.rollout_engine,
+                self.tokenizer,
+                max_tokens=hp.max_completion_tokens,
+                template_kwargs=self.template_kwargs,
+                remote=remote_config(),
+            )
+            if agent is not None
+            else None
+        )
         self.params = trainable_parameters(self.model)  # the policy's LoRA weights
         self.critic = (
             build_critic(
@@ -214,9 +239,19 @@ class RLTrainer(EngineLoop):
             self.engine.extra["critic"] = self.critic
 
     def _encode(self, items: list[PromptItem], path: str) -> list[list[int]]:
+        agent = self.spec.method.agent
+        tools = (
+            [[t.function() for t in (it.tools if it.tools is not None else agent.tools)] for it in items]
+            if agent is not None
+            else None
+        )
         try:
             return encode_prompts(
-                self.tokenizer, items, max_prompt_tokens=self.hp.max_prompt_tokens, template_kwargs=self.template_kwargs
+                self.tokenizer,
+                items,
+                max_prompt_tokens=self.hp.max_prompt_tokens,
+                template_kwargs=self.template_kwargs,
+                tools=tools,
             )
         except PromptTooLongError as err:
             raise DatasetError(str(err), line=err.item.line, path=path) from None
@@ -266,10 +301,17 @@ class RLTrainer(EngineLoop):
         prompts = [self.train_ids[i] for i in idx for _ in range(g)]  # rows of a group adjacent
         items = [self.train_items[i] for i in idx for _ in range(g)]
         self.rollout_engine.push_weights(self.model, self.engine.weights_version)
-        gen = self.rollout_engine.generate(prompts, self.sampling, generator=self.engine.generator)
-        rollout = gen.rollout.to("cpu")
-        texts = decode_completions(self.tokenizer, rollout)
-        scores = grade_batch(self.grader, texts, items, finish_reasons(rollout))
+        episodes = None
+        if self.agent is not None:  # multi-turn episodes: tool output in the rows, outside the policy mask
+            batch = self.agent.run(prompts, items, self.sampling, generator=self.engine.generator)
+            gen, episodes, texts = batch.generation, batch.episodes, batch.texts
+            rollout = gen.rollout.to("cpu")
+            scores = batch.grade(self.grader, items)
+        else:
+            gen = self.rollout_engine.generate(prompts, self.sampling, generator=self.engine.generator)
+            rollout = gen.rollout.to("cpu")
+            texts = decode_completions(self.tokenizer, rollout)
+            scores = grade_batch(self.grader, texts, items, finish_reasons(rollout))
         self.grader_monitor.observe(scores)
         shaped = scores.rewards.clone()
         if self.parts.overlong is not None:
@@ -277,7 +319,7 @@ class RLTrainer(EngineLoop):
             shaped += overlong_penalty(
                 rollout.lengths, max_tokens=hp.max_completion_tokens, buffer=buffer, factor=factor
             )
-        return Samples(rollout, items, texts, shaped, scores.rewards, scores.sub, gen.logprobs), gen.seconds
+        return Samples(rollout, items, texts, shaped, scores.rewards, scores.sub, gen.logprobs, episodes), gen.seconds
 
     def collect(self) -> Batch:
         """Draw until the batch holds ``batch_size`` groups; with dynamic sampling, groups whose rewards are all equal
@@ -505,8 +547,15 @@ class RLTrainer(EngineLoop):
         """Greedy mean reward on the validation prompts (and per named sub-grader)."""
         self.rollout_engine.push_weights(self.model, self.engine.weights_version)
         greedy = SamplingParams(self.hp.max_completion_tokens, temperature=0.0)
-        res = evaluate_engine(self.rollout_engine, self.tokenizer, self.val_ids, self.val_items, self.grader, greedy)
-        out = {M.VAL_REWARD_MEAN: res.mean_reward}
+        out: dict[str, float] = {}
+        if self.agent is not None:
+            res, episodes = self.agent.evaluate(self.val_ids, self.val_items, self.grader, greedy)
+            out[M.VAL_EPISODE_TOOL_CALL_RATE] = episode_metrics(episodes).get(M.EPISODE_TOOL_CALL_RATE, 0.0)
+        else:
+            res = evaluate_engine(
+                self.rollout_engine, self.tokenizer, self.val_ids, self.val_items, self.grader, greedy
+            )
+        out[M.VAL_REWARD_MEAN] = res.mean_reward
         for name, v in res.sub_means.items():
             out[M.reward_of(name, validation=True)] = v
         return out

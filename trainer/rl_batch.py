@@ -12,10 +12,12 @@ import torch
 from torch import Tensor
 
 from trainer import metrics as M
+from trainer.agent import episode_metrics, episode_record
 from trainer.config import DAPOHyperparameters, RLHyperparameters
 from trainer.core_algos import masked_mean
 from trainer.data import PromptItem
 from trainer.engine import cat_padded
+from trainer.episodes import Episode
 from trainer.recipes import Recipe
 from trainer.rollout import Rollout
 
@@ -72,6 +74,7 @@ class Samples:
     grader_rewards: Tensor  # [N] the grader's reward alone
     sub: dict[str, Tensor]  # named sub-grader → [N]
     sampling_logp: Tensor | None  # [N, C] the rollout engine's log-probs, when it gives them
+    episodes: list[Episode] | None = None  # [N] an agent job's episodes (transcripts, tool calls, counts)
 
     def select(self, rows: list[int]) -> Samples:
         idx = torch.tensor(rows, dtype=torch.long)
@@ -84,6 +87,7 @@ class Samples:
             self.grader_rewards[idx],
             {k: v[idx] for k, v in self.sub.items()},
             logp[idx.to(logp.device)] if logp is not None else None,
+            [self.episodes[r] for r in rows] if self.episodes is not None else None,
         )
 
     @staticmethod
@@ -99,6 +103,7 @@ class Samples:
             torch.cat([p.grader_rewards for p in parts]),
             {name: torch.cat([p.sub[name] for p in parts]) for name in parts[0].sub},
             cat_padded([lp for lp in logps if lp is not None], width) if all(lp is not None for lp in logps) else None,
+            [e for p in parts for e in p.episodes or []] if all(p.episodes is not None for p in parts) else None,
         )
 
 
@@ -188,6 +193,8 @@ def batch_metrics(
     if beta > 0:
         m[M.KL_COEF] = kl_coef
     m[M.TOKENS_PER_S_GENERATION] = float(lengths.sum()) / max(d.generation_s, 1e-9) if n else 0.0
+    if s.episodes is not None:
+        m |= episode_metrics(s.episodes)
     return m
 
 
@@ -204,6 +211,7 @@ def rollout_records(batch: Batch, adv: Tensor, k: int) -> list[dict[str, Any]]:
             "advantage": float(seq_adv[i]),
             "length": int(batch.rollout.lengths[i]),
         }
+        | ({"episode": episode_record(s.episodes[i])} if s.episodes is not None else {})
         for i in range(min(k, len(s.texts)))
     ]
 

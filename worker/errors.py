@@ -16,6 +16,7 @@ class ErrorCode(StrEnum):
     INVALID_FILE = "invalid_file"  # a dataset that does not fit the method, or is gone
     INVALID_GRADER = "invalid_grader"
     GRADER_FAILED = "grader_failed"  # the grader produced no score for most samples of consecutive steps
+    ENVIRONMENT_FAILED = "environment_failed"  # an agent job's python environment did not load or reset, or no sandbox
     INVALID_HYPERPARAMETERS = "invalid_hyperparameters"
     INVALID_REWARD_MODEL = "invalid_reward_model"  # a reward_model grader's model is gone
     MODEL_NOT_AVAILABLE = "model_not_available"

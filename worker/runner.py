@@ -63,6 +63,8 @@ def trainer_error_codes() -> dict[type[BaseException], ErrorCode]:
     from trainer.data import DatasetError
     from trainer.graders import GraderError, GraderFailed
     from trainer.models import ModelError
+    from trainer.sandbox import SandboxUnavailable
+    from trainer.tools import EnvironmentFailed
 
     return {
         MemoryError: ErrorCode.OUT_OF_MEMORY,
@@ -71,6 +73,8 @@ def trainer_error_codes() -> dict[type[BaseException], ErrorCode]:
         ModelError: ErrorCode.MODEL_NOT_AVAILABLE,
         GraderError: ErrorCode.INVALID_GRADER,
         GraderFailed: ErrorCode.GRADER_FAILED,
+        EnvironmentFailed: ErrorCode.ENVIRONMENT_FAILED,
+        SandboxUnavailable: ErrorCode.ENVIRONMENT_FAILED,  # graders turn theirs into GraderFailed: an environment's
         SpecError: ErrorCode.INVALID_HYPERPARAMETERS,
     }
 

@@ -66,6 +66,7 @@ class TestVocabulary:
             M.TOKENS_PER_S_TRAINING,
             M.STEP_SECONDS,
             M.GENERATION_SECONDS,
+            M.TOOL_LATENCY_MEAN,
         } == M.TIMING_METRICS
 
     def test_a_family_member_is_known_with_its_parameter_and_no_defined_name_is_of_a_family(self) -> None:

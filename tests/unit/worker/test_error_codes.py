@@ -9,6 +9,8 @@ from trainer.config import SpecError
 from trainer.data import DatasetError
 from trainer.graders import GraderError, GraderFailed
 from trainer.models import ModelError
+from trainer.sandbox import SandboxUnavailable
+from trainer.tools import EnvironmentFailed
 from worker.errors import ErrorCode, code_for
 from worker.runner import error_code
 
@@ -40,6 +42,8 @@ def test_the_most_specific_mapped_class_gives_the_code() -> None:
         (ModelError("cannot load model 'x'"), ErrorCode.MODEL_NOT_AVAILABLE),
         (GraderError("unknown grader type"), ErrorCode.INVALID_GRADER),
         (GraderFailed("grader 'py' produced no score for most samples"), ErrorCode.GRADER_FAILED),
+        (EnvironmentFailed("the environment 'env' could not reset: KeyError"), ErrorCode.ENVIRONMENT_FAILED),
+        (SandboxUnavailable("bwrap is not installed"), ErrorCode.ENVIRONMENT_FAILED),
         (SpecError("must be at least 2", param="group_size"), ErrorCode.INVALID_HYPERPARAMETERS),
         (torch.OutOfMemoryError("CUDA out of memory"), ErrorCode.OUT_OF_MEMORY),
         (MemoryError(), ErrorCode.OUT_OF_MEMORY),

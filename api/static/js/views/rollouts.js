@@ -21,6 +21,33 @@ function promptText(prompt) {
   );
 }
 
+// An agent episode as a conversation: each assistant turn with the tool calls it made, each tool result, then the
+// episode's counts (turns, calls, errors; a format error or truncation named).
+function episodeView(episode, completion) {
+  const turns = (episode.messages ?? []).map((m) => {
+    const calls = (m.tool_calls ?? []).map((c) =>
+      h("div", { class: "tool-call" }, h("span", { class: "muted", text: "calls " }), h("code", { text: `${c.function?.name}(${c.function?.arguments ?? ""})` })),
+    );
+    const role = m.role === "tool" ? "tool" : m.role;
+    return h(
+      "div",
+      { class: `msg msg-${role}` },
+      h("span", { class: "msg-role", text: role }),
+      h("div", { class: "msg-body" }, m.content ? h("span", { class: "msg-content", text: m.content }) : null, calls),
+    );
+  });
+  const notes = [`${episode.turns} turns`, `${episode.tool_calls} tool calls`];
+  if (episode.tool_errors) notes.push(`${episode.tool_errors} tool errors`);
+  if (episode.format_error) notes.push("ended by a tool call that did not parse");
+  if (episode.truncated) notes.push("truncated");
+  return h(
+    "div",
+    { class: "episode", dataset: { turns: String(episode.turns) } },
+    turns.length ? turns : h("pre", { text: completion }),
+    h("div", { class: "episode-meta muted", text: notes.join(" · ") }),
+  );
+}
+
 export function mountRollouts(main, { jobId, step }) {
   document.title = `Rollouts · ${jobId} · Proxima`;
   const base = `/fine_tuning/jobs/${jobId}`;
@@ -100,7 +127,15 @@ export function mountRollouts(main, { jobId, step }) {
           // data-label: the column's name, shown in front of the value where the table is laid out as cards.
           h("td", { class: "num muted", "data-label": "#", text: String(r.n) }),
           h("td", { class: "prompt" }, promptText(r.prompt)),
-          h("td", { class: "completion" }, r.completion === "" ? h("span", { class: "muted", text: "(empty)" }) : h("pre", { text: r.completion })),
+          h(
+            "td",
+            { class: "completion" },
+            r.episode
+              ? episodeView(r.episode, r.completion)
+              : r.completion === ""
+                ? h("span", { class: "muted", text: "(empty)" })
+                : h("pre", { text: r.completion }),
+          ),
           h("td", { class: "num", "data-label": "Reward", text: fmtNum(r.reward) }),
           graders.map((g) => h("td", { class: "num", "data-label": g, text: fmtNum(r.rewards?.[g]) })),
           h("td", {
