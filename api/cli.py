@@ -79,10 +79,12 @@ files_app = typer.Typer(help="Datasets on a Proxima server (REST).", no_args_is_
 jobs_app = typer.Typer(help="Fine-tuning jobs on a Proxima server (REST).", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys (admin, on the server's machine).", no_args_is_help=True)
 db_app = typer.Typer(help="The service database.", no_args_is_help=True)
+tools_app = typer.Typer(help="Built-in tool servers for agent jobs.", no_args_is_help=True)
 app.add_typer(files_app, name="files")
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
+app.add_typer(tools_app, name="tools")
 
 LOCAL_KEY_FILE = "local_api_key"
 
@@ -120,6 +122,26 @@ def prepare_database() -> None:
     s.home.mkdir(parents=True, exist_ok=True)
     if s.database_url is None or s.run_migrations:  # the embedded SQLite database is ours to migrate
         upgrade(s.db_url)
+
+
+@tools_app.command("calculator")
+def tools_calculator(
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 8765,
+    latency_ms: Annotated[
+        float, typer.Option(help="wait this long before every answer (to try slow tools; at most 60,000)")
+    ] = 0.0,
+) -> None:
+    """The calculator tool server (OpenAI agent RFT's function_call → function_call_output at POST /), the tool of
+    tiny-calc's agent task; in the foreground until interrupted. A job's tool entry: {"name": "calculator",
+    "server_url": "http://HOST:PORT/"}."""
+    from trainer import calculator_server
+
+    if not 0 <= latency_ms <= calculator_server.MAX_LATENCY_S * 1000:
+        console.print(f"[red]error:[/red] --latency-ms must be in 0..{calculator_server.MAX_LATENCY_S * 1000:g}")
+        raise typer.Exit(2)
+    print(f"calculator tool at http://{host}:{port}/", flush=True)
+    calculator_server.serve(host, port, latency_ms / 1000)
 
 
 @db_app.command("upgrade")

@@ -30,7 +30,7 @@ class Settings(BaseSettings):
     broker_url: str | None = None
     artifacts: str | None = None
     s3_endpoint_url: str | None = None
-    base_models: list[str] = Field(default_factory=lambda: ["tiny-arith"])
+    base_models: list[str] = Field(default_factory=lambda: ["tiny-arith", "tiny-calc"])
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0, description="the largest file `POST /v1/files` takes")
     max_request_bytes: int = Field(
         1024 * 1024, gt=0, description="the largest body of any other request (job specs, grader dry-runs)"

@@ -57,11 +57,24 @@ def tiny_arith_dir() -> Path:
     return build_tiny_arith(MODEL_CACHE / "tiny-arith")
 
 
+@pytest.fixture(scope="session")
+def tiny_calc_dir() -> Path:
+    """The real tiny-calc base model, the agent task's (built once, under two minutes on 2 cores, then cached)."""
+    from trainer.tiny_calc import build_tiny_calc
+
+    return build_tiny_calc(MODEL_CACHE / "tiny-calc")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build tiny-arith once before the tests run when any collected test needs it: outside every test's timeout
-    (pytest-timeout counts fixture set-up against the first test that asks, and the build takes minutes on two
-    shared cores), and a no-op when the cache already holds it."""
-    if any("tiny_arith_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+    """Build tiny-arith and tiny-calc once before the tests run when any collected test needs them: outside every
+    test's timeout (pytest-timeout counts fixture set-up against the first test that asks, and a build takes minutes
+    on two shared cores), and a no-op when the cache already holds them."""
+    needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    if "tiny_arith_dir" in needed:
         from trainer.tiny_arith import build_tiny_arith
 
         build_tiny_arith(MODEL_CACHE / "tiny-arith")
+    if "tiny_calc_dir" in needed:
+        from trainer.tiny_calc import build_tiny_calc
+
+        build_tiny_calc(MODEL_CACHE / "tiny-calc")

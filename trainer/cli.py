@@ -19,6 +19,7 @@ from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
 from trainer.config import JobSpec, SpecError, load_spec
 from trainer.data import DatasetError, load_prompts
 from trainer.models import ModelError
+from trainer.names import BUILTIN_MODELS
 
 app = typer.Typer(
     help="Proxima: reinforcement-learning fine-tuning of language models with LoRA.", no_args_is_help=True
@@ -44,12 +45,10 @@ def model_store() -> Path:
 
 def resolve_model(name: str) -> str:
     """A name in the model store → its folder; anything else (a local path or a hub id) is passed through."""
-    from trainer import tiny_arith
-
     local = model_store() / name
     if (local / "config.json").is_file():
         return str(local)
-    if name == tiny_arith.MODEL_NAME:
+    if name in BUILTIN_MODELS:
         raise ModelError(f"model {name!r} is not built yet: run `proxima models build {name}`")
     return name
 
@@ -201,14 +200,14 @@ def _read_json(path: Path) -> Any:
 
 @models_app.command("build")
 def models_build(
-    name: Annotated[str, typer.Argument(help="the built-in model to build: tiny-arith")],
+    name: Annotated[str, typer.Argument(help="the built-in model to build: tiny-arith or tiny-calc")],
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Build a built-in base model into the model store (a no-op when it is there); prints its folder last."""
-    from trainer import tiny_arith
+    from trainer import tiny_arith, tiny_calc
 
-    if name != tiny_arith.MODEL_NAME:
-        _fail(ModelError(f"unknown built-in model {name!r}; valid: {tiny_arith.MODEL_NAME}"))
+    if name not in BUILTIN_MODELS:
+        _fail(ModelError(f"unknown built-in model {name!r}; valid: {', '.join(BUILTIN_MODELS)}"))
     out = model_store() / name
     if tiny_arith.is_complete_build(out):
         print(out)
@@ -228,9 +227,19 @@ def models_build(
                 tasks[stage] = progress.add_task(stage, total=total, loss=loss)
             progress.update(tasks[stage], completed=step, loss=loss)
 
-        tiny_arith.build_tiny_arith(out, seed=seed, progress=report)
+        if name == tiny_calc.MODEL_NAME:
+            tiny_calc.build_tiny_calc(out, seed=seed, progress=report)
+        else:
+            tiny_arith.build_tiny_arith(out, seed=seed, progress=report)
     info = json.loads((out / tiny_arith.BUILD_INFO_FILE).read_text())
-    console.print(f"validation greedy accuracy {info['validation']['greedy_accuracy_after_carry_drop']:.3f}")
+    if name == tiny_calc.MODEL_NAME:
+        sampled, greedy = info["validation"]["sampled"], info["validation"]["greedy"]
+        console.print(
+            f"sampled episodes call the calculator {sampled['call_rate']:.2f} of the time, right "
+            f"{sampled['tool_accuracy']:.2f} when they do; greedy accuracy {greedy['accuracy']:.3f}"
+        )
+    else:
+        console.print(f"validation greedy accuracy {info['validation']['greedy_accuracy_after_carry_drop']:.3f}")
     print(out)
 
 
@@ -243,6 +252,19 @@ def datasets_arithmetic(
     from trainer import tiny_arith
 
     for path in tiny_arith.write_arithmetic_datasets(out, seed=seed).values():
+        print(path)
+
+
+@datasets_app.command("calculator")
+def datasets_calculator(
+    out: Annotated[Path, typer.Argument(help="folder to write train/validation JSONL into")],
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Write the tiny-calc agent task's datasets (three-number sums with their answers): train.jsonl,
+    validation.jsonl."""
+    from trainer import tiny_calc
+
+    for path in tiny_calc.write_calculator_datasets(out, seed=seed):
         print(path)
 
 

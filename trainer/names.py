@@ -24,6 +24,9 @@ POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLossName)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimatorName)
 AGGREGATIONS: tuple[str, ...] = get_args(AggregationName)
 PAIRWISE_LOSSES: tuple[str, ...] = ("bradley_terry", *(f"dpo_{t}" for t in get_args(DPOLossType)))
+BUILTIN_MODELS: tuple[str, ...] = ("tiny-arith", "tiny-calc")
+"""The base models the project builds itself (`proxima models build NAME`): tiny-arith (addition with dropped
+carries) and tiny-calc (three-number sums with a calculator tool, the agent task)."""
 
 
 def check_name(kind: str, name: str, declared: tuple[str, ...]) -> None:

@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer import metrics as M
 from trainer.agent import AgentRollouts, episode_metrics
 from trainer.callbacks import Callback
-from trainer.config import JobSpec, PPOHyperparameters, RLHyperparameters
+from trainer.config import JobSpec, PPOHyperparameters, RLHyperparameters, SpecError
 from trainer.core_algos import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
@@ -77,6 +77,7 @@ from trainer.rl_batch import (
 )
 from trainer.rollout import micro_slices
 from trainer.steps import EngineLoop, validation_due
+from trainer.url_policy import UrlRefused
 
 RolloutEngineFactory = Callable[[PeftModel, PreTrainedTokenizerBase], RolloutEngine]
 
@@ -138,6 +139,7 @@ class RLTrainer(EngineLoop):
             if spec.validation_file
             else []
         )
+        self._check_tool_urls()
         self.tokenizer = load_tokenizer(spec.model)
         thinking = thinking_kwargs(self.tokenizer, hp.reasoning_effort)
         if thinking is None and hp.reasoning_effort != "default":
@@ -237,6 +239,22 @@ class RLTrainer(EngineLoop):
         self.engine.extra["kl_coef"] = self.kl_ctl
         if self.critic is not None:
             self.engine.extra["critic"] = self.critic
+
+    def _check_tool_urls(self) -> None:
+        """Each tool server's URL against this process's policy (scheme, and an address given as the host): a
+        ``SpecError`` naming the tool before any weight is loaded, rather than every call of the run refused. Names
+        are resolved (and checked again) at every call: DNS may answer differently later."""
+        agent = self.spec.method.agent
+        if agent is None:
+            return
+        policy = remote_config().url_policy
+        for i, tool in enumerate(agent.tools):
+            if tool.server_url is None:
+                continue
+            try:
+                policy.check_url(tool.server_url)
+            except UrlRefused as err:
+                raise SpecError(str(err), param=f"method.{self.spec.method.type}.tools.{i}.server_url") from None
 
     def _encode(self, items: list[PromptItem], path: str) -> list[list[int]]:
         agent = self.spec.method.agent

@@ -57,6 +57,7 @@ from api.status import JobStatus
 from api.storage import ArtifactStore, NotFound, StoreFull, store_from_url
 from api.tasks import RUN_JOB
 from trainer import metrics as M
+from trainer.names import BUILTIN_MODELS
 from worker import messages as msg
 from worker import trackers
 from worker.celery_app import app
@@ -113,7 +114,7 @@ def resolve_model(name: str, model_store: Path) -> str:
             message = f"model {name!r} is not available on this worker: no model there"
             raise JobError(ErrorCode.MODEL_NOT_AVAILABLE, message)
         return name
-    if name == "tiny-arith":
+    if name in BUILTIN_MODELS:
         message = f"model {name!r} is not built on this worker: run `proxima models build {name}`"
         raise JobError(ErrorCode.MODEL_NOT_AVAILABLE, message)
     return name

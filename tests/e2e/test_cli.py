@@ -152,3 +152,90 @@ def test_proxima_eval_grades_with_the_deployments_judge(
         expected.append(sum_score(question.group(0), answer.group(1)))
     assert res["mean_reward"] == pytest.approx(sum(expected) / 3)
     assert res["sub_rewards"] == {"judge": pytest.approx(sum(expected) / 3)}
+
+
+def test_proxima_train_runs_an_agent_job_against_proxima_tools_calculator(tiny_calc_dir: Path, tmp_path: Path) -> None:
+    """The README's agent example: the calculator served by `proxima tools calculator`, the datasets by `proxima
+    datasets calculator`, a GRPO job with the tool trained by `proxima train` (the deployment's URL policy allowing
+    the loopback tool server through PROXIMA_GRADER_URL_*), its episodes in rollouts.jsonl."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PROXIMA_HOME": str(tmp_path)}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "tools", "calculator", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, "the calculator did not start"
+            time.sleep(0.2)
+        data = tmp_path / "data"
+        assert proxima("datasets", "calculator", str(data), home=tmp_path).returncode == 0
+        spec = {
+            "model": str(tiny_calc_dir),
+            "training_file": str(data / "train.jsonl"),
+            "validation_file": str(data / "validation.jsonl"),
+            "method": {
+                "type": "grpo",
+                "grpo": {
+                    "grader": {
+                        "type": "string_check",
+                        "name": "exact",
+                        "input": "{{sample.output_text}}",
+                        "reference": "{{item.answer}}",
+                        "operation": "eq",
+                    },
+                    "tools": [{"name": "calculator", "server_url": f"http://127.0.0.1:{port}/"}],
+                    "max_episode_steps": 3,
+                    "hyperparameters": {
+                        "max_steps": 2,
+                        "batch_size": 2,
+                        "group_size": 4,
+                        "max_completion_tokens": 40,
+                        "eval_interval": 2,
+                        "eval_samples": 8,
+                    },
+                },
+            },
+        }
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        policy = {"PROXIMA_GRADER_URL_SCHEMES": '["http"]', "PROXIMA_GRADER_URL_ALLOW_NETWORKS": '["127.0.0.0/8"]'}
+        out = proxima(
+            "train",
+            str(tmp_path / "spec.json"),
+            "--output",
+            str(tmp_path / "run"),
+            home=tmp_path,
+            module="api.cli",
+            env=policy,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        refused = proxima(
+            "train", str(tmp_path / "spec.json"), "--output", str(tmp_path / "run2"), home=tmp_path, module="api.cli"
+        )
+    finally:
+        server.terminate()
+        server.wait(10)
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and "episode/tool_call_rate" in rows[-1]
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+    episodes = [json.loads(ln)["episode"] for ln in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert episodes and all("messages" in e for e in episodes)
+    # without the policy's allowance the loopback tool server is refused before the model is loaded, naming the tool
+    assert refused.returncode == 2
+    assert "method.grpo.tools.0.server_url: the URL must start with https://" in refused.stderr, refused.stderr
