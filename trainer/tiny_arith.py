@@ -191,7 +191,7 @@ def _preference_row(a: int, b: int, rng: random.Random) -> dict[str, Any]:
     }
 
 
-def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     # Write then rename, so a reader never sees half a file.
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("w", encoding="utf-8") as f:
@@ -232,15 +232,15 @@ def write_arithmetic_datasets(
     out_dir.mkdir(parents=True, exist_ok=True)
     names = ("train", "validation", "preferences", "validation_preferences", "supervised", "validation_supervised")
     paths = {name: out_dir / f"{name}.jsonl" for name in names}
-    _write_jsonl(paths["train"], [{"messages": _messages(a, b), "answer": answer_text(a, b)} for a, b in rl_train])
-    _write_jsonl(
+    write_jsonl(paths["train"], [{"messages": _messages(a, b), "answer": answer_text(a, b)} for a, b in rl_train])
+    write_jsonl(
         paths["validation"],
         [{"messages": _messages(a, b), "answer": answer_text(a, b)} for a, b in validation_pairs],
     )
-    _write_jsonl(paths["preferences"], [_preference_row(a, b, rng) for a, b in preference_train])
-    _write_jsonl(paths["validation_preferences"], [_preference_row(a, b, rng) for a, b in validation_pairs])
-    _write_jsonl(paths["supervised"], [_supervised_row(a, b) for a, b in supervised_train])
-    _write_jsonl(paths["validation_supervised"], [_supervised_row(a, b) for a, b in validation_pairs])
+    write_jsonl(paths["preferences"], [_preference_row(a, b, rng) for a, b in preference_train])
+    write_jsonl(paths["validation_preferences"], [_preference_row(a, b, rng) for a, b in validation_pairs])
+    write_jsonl(paths["supervised"], [_supervised_row(a, b) for a, b in supervised_train])
+    write_jsonl(paths["validation_supervised"], [_supervised_row(a, b) for a, b in validation_pairs])
     return paths
 
 
@@ -393,7 +393,7 @@ def _encode(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[int, int]]) ->
     )
 
 
-def _lr_at(step: int, *, total: int, peak: float, warmup: int, min_ratio: float) -> float:
+def lr_at(step: int, *, total: int, peak: float, warmup: int, min_ratio: float) -> float:
     """Linear warmup to `peak`, then cosine decay to `min_ratio * peak` at `total`."""
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -403,7 +403,7 @@ def _lr_at(step: int, *, total: int, peak: float, warmup: int, min_ratio: float)
 
 # bf16 autocast where the CPU has bf16 matmuls (AMX, AVX512-BF16): ~1.75× faster there; elsewhere bf16 is emulated
 # and ~10× slower than fp32 (an AVX2-only AMD EPYC: 15 s vs 1.5 s a step), so training stays fp32.
-_FAST_BF16 = fast_bf16_available(torch.device("cpu"))
+FAST_BF16 = fast_bf16_available(torch.device("cpu"))
 
 
 def _train_stage(
@@ -425,7 +425,7 @@ def _train_stage(
     model.train()
     loss_value = float("nan")
     for step in range(steps):
-        lr = _lr_at(step, total=steps, peak=peak_lr, warmup=warmup, min_ratio=recipe.min_lr_ratio)
+        lr = lr_at(step, total=steps, peak=peak_lr, warmup=warmup, min_ratio=recipe.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
         index = torch.randint(len(data.pairs), (recipe.batch_size,), generator=generator)
@@ -435,7 +435,7 @@ def _train_stage(
         input_ids = torch.where(use_dropped[:, None], data.dropped_input_ids[index], data.input_ids[index])
         labels = torch.where(use_dropped[:, None], data.dropped_labels[index], data.labels[index])
         # input_ids, labels: [batch, seq_len]; the model shifts labels by one internally.
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=_FAST_BF16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=FAST_BF16):
             loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -467,7 +467,7 @@ def is_complete_build(path: Path) -> bool:
     return (path / BUILD_INFO_FILE).is_file()
 
 
-def _refuse_foreign_directory(out_dir: Path) -> None:
+def refuse_foreign_directory(out_dir: Path) -> None:
     """Builds appear by rename, so a non-empty directory without the marker is not ours: never delete it."""
     if out_dir.is_dir() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists, is not empty and holds no {BUILD_INFO_FILE}")
@@ -491,7 +491,7 @@ def build_tiny_arith(
     """
     if is_complete_build(out_dir):
         return out_dir
-    _refuse_foreign_directory(out_dir)
+    refuse_foreign_directory(out_dir)
     if steps_a < 0 or steps_b < 0:
         raise ValueError(f"step counts must be >= 0, got steps_a={steps_a}, steps_b={steps_b}")
     recipe = dataclasses.replace(RECIPE, steps_a=steps_a, steps_b=steps_b)
@@ -577,7 +577,7 @@ def build_tiny_arith(
         if out_dir.exists():
             if is_complete_build(out_dir):  # another process finished first; keep its build
                 return out_dir
-            _refuse_foreign_directory(out_dir)
+            refuse_foreign_directory(out_dir)
             out_dir.rmdir()
         try:
             tmp_dir.rename(out_dir)

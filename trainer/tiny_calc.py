@@ -47,16 +47,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrai
 
 from trainer import calculator_server
 from trainer.tiny_arith import (
-    _FAST_BF16,
     BUILD_INFO_FILE,
     EOS_TOKEN,
+    FAST_BF16,
     PAD_TOKEN,
     UNK_TOKEN,
     ProgressFn,
-    _lr_at,
-    _refuse_foreign_directory,
-    _write_jsonl,
     is_complete_build,
+    lr_at,
+    refuse_foreign_directory,
+    write_jsonl,
 )
 
 __all__ = [
@@ -245,7 +245,7 @@ def write_calculator_datasets(out_dir: Path, *, seed: int = 0, n_train: int = 20
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = (out_dir / "train.jsonl", out_dir / "validation.jsonl")
     for path, triples in zip(paths, (train_triples(n_train, seed=seed), validation_triples()), strict=True):
-        _write_jsonl(path, [{"messages": prompt_messages(t), "answer": answer_text(t)} for t in triples])
+        write_jsonl(path, [{"messages": prompt_messages(t), "answer": answer_text(t)} for t in triples])
     return paths
 
 
@@ -399,7 +399,7 @@ def _train_stage(
     model.train()
     loss_value = float("nan")
     for step in range(steps):
-        lr = _lr_at(step, total=steps, peak=peak_lr, warmup=warmup, min_ratio=recipe.min_lr_ratio)
+        lr = lr_at(step, total=steps, peak=peak_lr, warmup=warmup, min_ratio=recipe.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
         index = torch.randint(pool, (recipe.batch_size,), generator=generator)
@@ -412,7 +412,7 @@ def _train_stage(
                 torch.cat([data.plain.labels[plain_index], data.direct.labels[direct_index]]),
             ),
         ]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=_FAST_BF16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=FAST_BF16):
             # The mean over every policy token of the batch, whichever pass it is in.
             n_targets = sum(int((labels[:, 1:] != -100).sum()) for _, labels in batches)
             summed = [_summed_loss(model, ids, labels) for ids, labels in batches if len(ids)]
@@ -619,7 +619,7 @@ def build_tiny_calc(
     """
     if is_complete_build(out_dir):
         return out_dir
-    _refuse_foreign_directory(out_dir)
+    refuse_foreign_directory(out_dir)
     if steps_a < 0 or steps_b < 0 or eval_samples < 1:
         raise ValueError(f"need steps_a, steps_b >= 0 and eval_samples >= 1, got {steps_a}, {steps_b}, {eval_samples}")
     recipe = dataclasses.replace(RECIPE, steps_a=steps_a, steps_b=steps_b, eval_samples=eval_samples)
@@ -699,7 +699,7 @@ def build_tiny_calc(
         if out_dir.exists():
             if is_complete_build(out_dir):  # another process finished first; keep its build
                 return out_dir
-            _refuse_foreign_directory(out_dir)
+            refuse_foreign_directory(out_dir)
             out_dir.rmdir()
         try:
             tmp_dir.rename(out_dir)
