@@ -81,21 +81,25 @@ def free_port() -> int:
 class DashboardServer:
     """``proxima serve`` in its own process group; :meth:`close` stops it and drops its database."""
 
-    def __init__(self, root: Path, *, model_dir: Path) -> None:
+    def __init__(self, root: Path, *, model_dir: Path, model: str = MODEL, env: dict[str, str] | None = None) -> None:
         self.root = root
         home = root / "home"
-        shutil.copytree(model_dir, home / "models" / MODEL)
+        shutil.copytree(model_dir, home / "models" / model)
         self.database_url = create_pg_database()
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")} | {
-            "PROXIMA_HOME": str(home),
-            "PROXIMA_DATABASE_URL": self.database_url,
-            "PROXIMA_BROKER_URL": redis_url(),
-            "PROXIMA_ARTIFACTS": str(root / "artifacts"),
-            "PROXIMA_BASE_MODELS": json.dumps([MODEL]),
-            "PROXIMA_PORT": str(self.port),
-        }
+        self.env = (
+            {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
+            | {
+                "PROXIMA_HOME": str(home),
+                "PROXIMA_DATABASE_URL": self.database_url,
+                "PROXIMA_BROKER_URL": redis_url(),
+                "PROXIMA_ARTIFACTS": str(root / "artifacts"),
+                "PROXIMA_BASE_MODELS": json.dumps([model]),
+                "PROXIMA_PORT": str(self.port),
+            }
+            | (env or {})
+        )
         upgrade(self.database_url)
         self.log_path = root / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None

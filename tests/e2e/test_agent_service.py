@@ -1,0 +1,148 @@
+"""An agent job through the service (issue 15): `proxima serve` (API and a real worker) on PostgreSQL and Redis offers
+tiny-calc; a tenant uploads the calculator task and creates OpenAI's reinforcement job with a tool at the built-in
+calculator server (the deployment's policy allowing loopback); the worker trains with episodes; the metrics endpoint
+has the episode and tool series, the rollouts endpoint each episode's transcript, and the dashboard's rollouts browser
+shows an episode as a conversation with its tool call and the tool's result; the job page charts the episodes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import Page, expect
+
+from trainer import calculator_server, tiny_calc
+from trainer import metrics as M
+
+from .dashboard_support import DashboardServer, free_port, metrics, upload, wait_job
+
+EXACT = {
+    "type": "string_check",
+    "name": "exact",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "operation": "eq",
+}
+STEPS = 4
+
+
+@dataclass
+class AgentDeployment:
+    server: DashboardServer
+    key: str
+    api: httpx.Client
+    job_id: str
+
+
+@pytest.fixture(scope="module")
+def calculator() -> Iterator[str]:
+    port = free_port()
+    server = calculator_server.make_server("127.0.0.1", port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the calculator server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    tmp_path_factory: pytest.TempPathFactory, tiny_calc_dir: Path, calculator: str
+) -> Iterator[AgentDeployment]:
+    root = tmp_path_factory.mktemp("agent-service")
+    policy = {"PROXIMA_GRADER_URL_SCHEMES": '["http", "https"]', "PROXIMA_GRADER_URL_ALLOW_NETWORKS": '["127.0.0.0/8"]'}
+    server = DashboardServer(root, model_dir=tiny_calc_dir, model=tiny_calc.MODEL_NAME, env=policy)
+    try:
+        server.start()
+        key = server.api_key("agents")
+        api = server.client(key)
+        train, val = tiny_calc.write_calculator_datasets(root / "data", n_train=200)
+        body = {
+            "model": tiny_calc.MODEL_NAME,
+            "training_file": upload(api, train),
+            "validation_file": upload(api, val),
+            "seed": 3,
+            "method": {
+                "type": "reinforcement",
+                "reinforcement": {
+                    "grader": EXACT,
+                    "tools": [calculator_server.calculator_tool(calculator)],
+                    "max_episode_steps": 3,
+                    "hyperparameters": {
+                        "max_steps": STEPS,
+                        "batch_size": 4,
+                        "group_size": 4,
+                        "max_completion_tokens": 40,
+                        "eval_interval": STEPS,
+                        "eval_samples": 16,
+                        "checkpoint_interval": STEPS,
+                        "rollouts_logged": 16,
+                        "learning_rate": 3e-4,
+                    },
+                },
+            },
+        }
+        r = api.post("/fine_tuning/jobs", json=body)
+        assert r.status_code == 200, r.text
+        job = r.json()
+        assert job["method"]["grpo"]["tools"][0]["server_url"] == calculator  # OpenAI's reinforcement runs as grpo
+        yield AgentDeployment(server, key, api, job["id"])
+        api.close()
+    finally:
+        server.close()
+
+
+def test_the_worker_trains_with_episodes_and_the_api_shows_them(deployment: AgentDeployment) -> None:
+    d = deployment
+    job = wait_job(d.api, d.job_id, lambda j: j["status"] == "succeeded", what="success", server=d.server, timeout=300)
+    assert job["fine_tuned_model"]
+    points = metrics(d.api, d.job_id)
+    steps = [p for p in points if M.EPISODE_TOOL_CALL_RATE in p["metrics"]]
+    assert len(steps) == STEPS
+    assert all(M.TOOL_CALLS_OF.name("calculator") in p["metrics"] for p in steps)
+    assert sum(p["metrics"][M.EPISODE_TOOL_CALL_RATE] for p in steps) > 0  # the base calls on ~30% of samples
+    page = d.api.get(f"/fine_tuning/jobs/{d.job_id}/rollouts").json()
+    episodes = [r["episode"] for r in page["data"]]
+    assert len(episodes) == 16
+    called = [e for e in episodes if e["tool_calls"]]
+    assert called, "no logged episode of the last step called the tool"
+    call, result = called[0]["messages"][:2]
+    assert call["tool_calls"][0]["function"]["name"] == "calculator"
+    assert result["role"] == "tool" and result["tool_call_id"] == call["tool_calls"][0]["id"]
+    assert json.loads(call["tool_calls"][0]["function"]["arguments"])["expression"]
+
+
+def test_the_rollouts_browser_shows_an_episode_as_a_conversation(page: Page, deployment: AgentDeployment) -> None:
+    d = deployment
+    wait_job(d.api, d.job_id, lambda j: j["status"] == "succeeded", what="success", server=d.server, timeout=300)
+    rows = d.api.get(f"/fine_tuning/jobs/{d.job_id}/rollouts").json()["data"]
+    called = next(r for r in rows if r["episode"]["tool_calls"])
+    args = called["episode"]["messages"][0]["tool_calls"][0]["function"]["arguments"]
+    result = called["episode"]["messages"][1]["content"]
+
+    page.goto(f"{d.server.base}/dashboard/")
+    page.get_by_label("API key").fill(d.key)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("heading", name="Fine-tuning jobs")).to_be_visible()
+    page.goto(f"{d.server.base}/dashboard/#/jobs/{d.job_id}/rollouts")
+    episode = page.locator(".episode").filter(has_text=f"calculator({args})").first
+    expect(episode).to_be_visible()
+    expect(episode.locator(".msg-tool .msg-content")).to_have_text(result)
+    expect(episode.locator(".msg-assistant").last).to_contain_text(called["completion"])
+    expect(episode.locator(".episode-meta")).to_contain_text("2 turns · 1 tool calls")
+    assert page.locator(".episode").count() == len(rows)
+
+    page.goto(f"{d.server.base}/dashboard/#/jobs/{d.job_id}")
+    expect(page.locator('figure[data-chart="episodes"]')).to_have_attribute("data-points", str(STEPS))
+    calls = M.TOOL_CALLS_OF.name("calculator")
+    expect(page.locator('figure[data-chart="tool-calls"]')).to_have_attribute("data-series", calls)
