@@ -401,6 +401,19 @@ def test_chart_plan_puts_the_vocabulary_in_its_charts_and_any_other_numeric_seri
         ["reward", [M.REWARD_MEAN]],  # reward/std is its band
         ["reward-graders", [M.reward_of("acc")]],
         ["val-reward", [M.VAL_REWARD_MEAN, M.reward_of("acc", validation=True)]],
+        [
+            "episodes",
+            [
+                M.EPISODE_TOOL_CALL_RATE,
+                M.VAL_EPISODE_TOOL_CALL_RATE,
+                M.EPISODE_FORMAT_ERROR_FRAC,
+                M.EPISODE_TRUNCATED_FRAC,
+            ],
+        ],
+        ["episode-turns", [M.EPISODE_TURNS_MEAN, M.EPISODE_TOOL_CALLS_MEAN]],
+        ["tool-calls", [M.TOOL_CALLS_OF.name("acc")]],
+        ["tool-errors", [M.TOOL_ERROR_RATE, M.TOOL_ERRORS_OF.name("acc")]],
+        ["tool-latency", [M.TOOL_LATENCY_MEAN, M.TOOL_LATENCY_OF.name("acc")]],
         ["non-score-reward", [M.NON_SCORE_REWARD]],
         ["kl", [M.KL_MEAN]],
         ["entropy", [M.ENTROPY_MEAN]],
