@@ -113,3 +113,34 @@ def test_a_line_s_tools_must_be_the_job_s_and_the_validation_names_the_line(api:
     assert job["error"]["code"] == "invalid_file" and job["error"]["param"] == "training_file"
     assert "line 2" in job["error"]["message"] and "'browser' is not one of the job's tools" in job["error"]["message"]
     assert json.dumps(job["error"]).count("calculator") >= 1
+
+
+def test_the_official_client_creates_an_agent_job_unchanged(base_url: str, tenant_a: Any, training_file: str) -> None:
+    """OpenAI's agent-RFT body through `client.fine_tuning.jobs.create`, as its users' code sends it."""
+    import httpx2
+    from openai import OpenAI
+
+    grader = job_body(training_file)["method"]["grpo"]["grader"]
+    tools = [{"name": "calculator", "server_url": "https://1.1.1.1/api/tools", "headers": {"X-Functions-Key": "k"}}]
+    with (
+        httpx2.Client(timeout=30) as http,
+        OpenAI(base_url=f"{base_url}/v1", api_key=tenant_a.key, max_retries=0, http_client=http) as client,
+    ):
+        job = client.fine_tuning.jobs.create(
+            model="tiny-arith",
+            training_file=training_file,
+            method={
+                "type": "reinforcement",
+                "reinforcement": {
+                    "grader": grader,
+                    "tools": tools,  # not in the SDK's typed dict yet: sent as given
+                    "max_episode_steps": 10,
+                    "hyperparameters": {"eval_interval": 3, "compute_multiplier": 1.0, "reasoning_effort": "medium"},
+                },
+            },
+        )
+        raw = client.fine_tuning.jobs.with_raw_response.retrieve(job.id)
+        again = raw.parse()
+    assert job.status in ("validating_files", "queued") and again.id == job.id
+    block = raw.http_response.json()["method"]
+    assert block["type"] == "grpo" and block["grpo"]["tools"] == tools and block["grpo"]["max_episode_steps"] == 10
