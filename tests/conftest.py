@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,15 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = Path(os.environ.get("PROXIMA_TEST_MODELS", REPO / ".cache" / "models"))
 
 
-@pytest.fixture(scope="session")
-def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A randomly initialised 2-layer Llama with the tiny-arith tokenizer: fast plumbing tests, no learning."""
+def save_random_llama(out: Path, tok: Any, *, max_positions: int = 64) -> Path:
+    """A randomly initialised 2-layer Llama (seed 0) for ``tok``, saved with it to ``out``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.tiny_arith import build_tokenizer
-
-    out = tmp_path_factory.mktemp("random-llama")
-    tok = build_tokenizer()
     tok.save_pretrained(out)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -32,12 +28,28 @@ def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=4,
-            max_position_embeddings=64,
+            max_position_embeddings=max_positions,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         )
         LlamaForCausalLM(cfg).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised 2-layer Llama with the tiny-arith tokenizer: fast plumbing tests, no learning."""
+    from trainer.tiny_arith import build_tokenizer
+
+    return save_random_llama(tmp_path_factory.mktemp("random-llama"), build_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def random_calc_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised 2-layer Llama with tiny-calc's tokenizer and chat template (Hermes tool calls)."""
+    from trainer.tiny_calc import build_tokenizer
+
+    return save_random_llama(tmp_path_factory.mktemp("random-calc"), build_tokenizer(), max_positions=128)
 
 
 @pytest.fixture(scope="session")

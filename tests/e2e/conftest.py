@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -340,3 +341,29 @@ def page(browser: Any) -> Iterator[Any]:
     yield page
     context.close()
     assert not errors, f"script errors in the page: {errors}"
+
+
+# -- the built-in calculator tool server (agent jobs) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def calculator() -> Iterator[str]:
+    """The built-in calculator tool server (`trainer.calculator_server`) over real HTTP on a free port: its URL."""
+    import threading
+    import time
+
+    from trainer import calculator_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = calculator_server.make_server("127.0.0.1", port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the calculator server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/"
+    server.should_exit = True
+    thread.join(10)

@@ -10,14 +10,12 @@ standard error of about 0.035 on an accuracy: a lift of 0.25 is far outside nois
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_agent_loop import EXACT, _free_port
+from tests.e2e.test_agent_loop import EXACT
 from trainer import calculator_server, tiny_calc
 from trainer import metrics as M
 from trainer.callbacks import JsonlFiles
@@ -25,21 +23,6 @@ from trainer.config import parse_spec
 from trainer.evaluate import configure_remote, remote_config
 from trainer.remote_graders import RemoteConfig
 from trainer.train import train
-
-
-@pytest.fixture(scope="module")
-def calculator() -> Iterator[str]:
-    port = _free_port()
-    server = calculator_server.make_server("127.0.0.1", port)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the calculator server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/"
-    server.should_exit = True
-    thread.join(10)
 
 
 @pytest.fixture(scope="module")

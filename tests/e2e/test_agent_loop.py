@@ -24,9 +24,8 @@ from typing import Any
 
 import pytest
 import torch
-import uvicorn
 from peft import PeftModel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from tests.e2e.test_rl_loop import make_spec
 from trainer import calculator_server, tiny_calc
@@ -55,29 +54,6 @@ QUESTION = re.compile(r"What is (\d+) \+ (\d+) \+ (\d+)\?")
 
 
 @pytest.fixture(scope="module")
-def calc_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random 2-layer Llama with tiny-calc's tokenizer and chat template (tool calls in Hermes syntax)."""
-    out = tmp_path_factory.mktemp("random-calc")
-    tok = tiny_calc.build_tokenizer()
-    tok.save_pretrained(out)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=128,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-        LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def calc_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("calc-data")
     tiny_calc.write_calculator_datasets(out, n_train=64)
@@ -88,24 +64,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def calculator() -> Iterator[str]:
-    """The built-in calculator tool server, over real HTTP on a free port."""
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(calculator_server.create_app(), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the calculator server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/"
-    server.should_exit = True
-    thread.join(10)
 
 
 @pytest.fixture(autouse=True)
@@ -177,9 +135,9 @@ def agent_spec(model: Path, data: Path, tools: list[dict[str, Any]] | None, meth
 
 
 def test_episodes_hold_calls_results_and_answers_and_only_the_policy_tokens_are_trained(
-    calc_model: Path, calc_data: Path, calculator: str, tmp_path: Path
+    random_calc_model_dir: Path, calc_data: Path, calculator: str, tmp_path: Path
 ) -> None:
-    spec = parse_spec(agent_spec(calc_model, calc_data, [calculator_server.calculator_tool(calculator)]))
+    spec = parse_spec(agent_spec(random_calc_model_dir, calc_data, [calculator_server.calculator_tool(calculator)]))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback(), rollout_engine=scripted())
     tok = t.tokenizer
     batch = t.collect()
@@ -220,9 +178,11 @@ def test_episodes_hold_calls_results_and_answers_and_only_the_policy_tokens_are_
 
 
 def test_the_loss_gradient_on_tool_output_logits_is_exactly_zero(
-    calc_model: Path, calc_data: Path, calculator: str, tmp_path: Path
+    random_calc_model_dir: Path, calc_data: Path, calculator: str, tmp_path: Path
 ) -> None:
-    spec = parse_spec(agent_spec(calc_model, calc_data, [calculator_server.calculator_tool(calculator)], beta=0.1))
+    spec = parse_spec(
+        agent_spec(random_calc_model_dir, calc_data, [calculator_server.calculator_tool(calculator)], beta=0.1)
+    )
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback(), rollout_engine=scripted())
     batch = t.collect()
     t.score(batch)
@@ -257,17 +217,17 @@ def test_the_loss_gradient_on_tool_output_logits_is_exactly_zero(
 
 
 def test_an_episode_of_one_turn_trains_exactly_as_a_single_reply(
-    calc_model: Path, calc_data: Path, calculator: str, tmp_path: Path
+    random_calc_model_dir: Path, calc_data: Path, calculator: str, tmp_path: Path
 ) -> None:
     """Nobody calls: every episode is one turn. The agent job's metrics and trained weights equal the plain job's. (An
     environment job that offers no tools: the prompts are the plain job's token for token, which a tool list in the
     template would change.)"""
     never = scripted(call=lambda row: False)
-    raw = agent_spec(calc_model, calc_data, None)
+    raw = agent_spec(random_calc_model_dir, calc_data, None)
     raw["method"]["grpo"]["environment"] = {"type": "python", "source": ENVIRONMENT}
     with_tools = parse_spec(raw)
     assert with_tools.method.agent is not None
-    plain = parse_spec(agent_spec(calc_model, calc_data, None))
+    plain = parse_spec(agent_spec(random_calc_model_dir, calc_data, None))
     runs = []
     for spec in (with_tools, plain):
         t = RLTrainer(spec, output_dir=tmp_path / str(len(runs)), callback=BaseCallback(), rollout_engine=never)
@@ -308,7 +268,7 @@ class _Slow(_Garbage):
 
 @pytest.mark.parametrize("fault", ["down", "slow", "garbage"])
 def test_a_faulty_tool_server_ends_no_job_and_the_metrics_show_it(
-    fault: str, calc_model: Path, calc_data: Path, tmp_path: Path
+    fault: str, random_calc_model_dir: Path, calc_data: Path, tmp_path: Path
 ) -> None:
     server = None
     if fault == "down":
@@ -318,7 +278,7 @@ def test_a_faulty_tool_server_ends_no_job_and_the_metrics_show_it(
         threading.Thread(target=server.serve_forever, daemon=True).start()
         url = f"http://127.0.0.1:{server.server_address[1]}/"
     try:
-        raw = agent_spec(calc_model, calc_data, [calculator_server.calculator_tool(url)], max_steps=2)
+        raw = agent_spec(random_calc_model_dir, calc_data, [calculator_server.calculator_tool(url)], max_steps=2)
         t = RLTrainer(parse_spec(raw), output_dir=tmp_path, callback=BaseCallback(), rollout_engine=scripted())
         start = time.monotonic()
         result = t.run()
@@ -348,8 +308,10 @@ def step(tool_call):
 """
 
 
-def test_a_python_environment_answers_the_calls_in_a_sandbox(calc_model: Path, calc_data: Path, tmp_path: Path) -> None:
-    raw = agent_spec(calc_model, calc_data, None)
+def test_a_python_environment_answers_the_calls_in_a_sandbox(
+    random_calc_model_dir: Path, calc_data: Path, tmp_path: Path
+) -> None:
+    raw = agent_spec(random_calc_model_dir, calc_data, None)
     body = raw["method"]["grpo"]
     body["tools"] = [{"name": "calculator", "description": calculator_server.DESCRIPTION}]
     body["environment"] = {"type": "python", "source": ENVIRONMENT}

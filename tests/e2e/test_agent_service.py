@@ -7,8 +7,6 @@ shows an episode as a conversation with its tool call and the tool's result; the
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ from playwright.sync_api import Page, expect
 from trainer import calculator_server, tiny_calc
 from trainer import metrics as M
 
-from .dashboard_support import DashboardServer, free_port, metrics, upload, wait_job
+from .dashboard_support import DashboardServer, metrics, upload, wait_job
 
 EXACT = {
     "type": "string_check",
@@ -38,21 +36,6 @@ class AgentDeployment:
     key: str
     api: httpx.Client
     job_id: str
-
-
-@pytest.fixture(scope="module")
-def calculator() -> Iterator[str]:
-    port = free_port()
-    server = calculator_server.make_server("127.0.0.1", port)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the calculator server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/"
-    server.should_exit = True
-    thread.join(10)
 
 
 @pytest.fixture(scope="module")
