@@ -104,10 +104,6 @@ class AgentRollouts:
         """The tools offered for an item: its line's ``tools``, else every tool of the job."""
         return item.tools if item.tools is not None else list(self.agent.tools)
 
-    def functions_of(self, item: PromptItem) -> list[dict[str, Any]]:
-        """The function definitions the chat template shows the model for an item."""
-        return [t.function() for t in self.tools_of(item)]
-
     def run(
         self,
         prompts: Sequence[list[int]],

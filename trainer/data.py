@@ -9,7 +9,7 @@ loading the training stack. Tokenising, batching and sampling orders live in ``t
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,14 @@ def load_prompts(
     if not items:
         raise DatasetError("the file holds no examples", path=str(path))
     return items
+
+
+def offered_functions(items: Sequence[PromptItem], agent: AgentSpec | None) -> list[list[dict[str, Any]]] | None:
+    """The function definitions an agent job shows the model with each item (the chat template's ``tools``): the
+    line's own tools, else the job's; None for a job without tools."""
+    if agent is None:
+        return None
+    return [[t.function() for t in (it.tools if it.tools is not None else agent.tools)] for it in items]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from trainer.core_algos import (
     value_loss_clipped,
 )
 from trainer.critic import build_critic
-from trainer.data import DatasetError, PromptItem, load_prompts
+from trainer.data import DatasetError, PromptItem, load_prompts, offered_functions
 from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts, thinking_kwargs
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
 from trainer.evaluate import (
@@ -257,19 +257,13 @@ class RLTrainer(EngineLoop):
                 raise SpecError(str(err), param=f"method.{self.spec.method.type}.tools.{i}.server_url") from None
 
     def _encode(self, items: list[PromptItem], path: str) -> list[list[int]]:
-        agent = self.spec.method.agent
-        tools = (
-            [[t.function() for t in (it.tools if it.tools is not None else agent.tools)] for it in items]
-            if agent is not None
-            else None
-        )
         try:
             return encode_prompts(
                 self.tokenizer,
                 items,
                 max_prompt_tokens=self.hp.max_prompt_tokens,
                 template_kwargs=self.template_kwargs,
-                tools=tools,
+                tools=offered_functions(items, self.spec.method.agent),
             )
         except PromptTooLongError as err:
             raise DatasetError(str(err), line=err.item.line, path=path) from None

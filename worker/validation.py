@@ -31,7 +31,7 @@ from api.settings import Settings
 from api.status import JobStatus
 from api.storage import ArtifactStore, NotFound
 from trainer.config import JobSpec, SpecError, check_total_steps, parse_spec
-from trainer.data import DatasetError, load_preferences, load_prompts, load_supervised
+from trainer.data import DatasetError, load_preferences, load_prompts, load_supervised, offered_functions
 from worker.errors import ErrorCode, JobError
 from worker.lease import Heartbeat
 
@@ -118,7 +118,8 @@ def _longest_prompt(
     longest, at = 0, ("training", "training_file", "", 0)
     for which, param, file_id, path in datasets:
         items = load_prompts(path, grader=spec.method.grader, agent=spec.method.agent)
-        ids = encode_prompts(tokenizer, items, max_prompt_tokens=MAX_TOKENS, template_kwargs=template)
+        tools = offered_functions(items, spec.method.agent)  # an agent job's prompts show the tools
+        ids = encode_prompts(tokenizer, items, max_prompt_tokens=MAX_TOKENS, template_kwargs=template, tools=tools)
         for item, prompt in zip(items, ids, strict=True):
             if len(prompt) > longest:
                 longest, at = len(prompt), (which, param, file_id, item.line)
