@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from trainer import graders
+from trainer import graders, metrics
 from trainer.agent_spec import AgentSpec
 from trainer.names import AggregationName, DPOLossType, KLEstimatorName
 from trainer.recipes import RECIPES
@@ -110,6 +110,15 @@ class Hyperparameters(_Strict):
     eval_samples: int | None = Field(
         None, ge=1, le=1_000_000, description="validation examples per evaluation; default all"
     )
+    keep_best: str | None = Field(
+        None,
+        description="a validation metric (val/reward/mean, val/reward/{grader}/mean, val/preference/accuracy, "
+        "val/loss …; one ending in 'loss' is minimised): the job's adapter is the checkpoint where it was best, the "
+        "base model's value at step 0 included, not the last step's",
+    )
+    early_stopping_patience: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="with keep_best: validations without a new best before training stops"
+    )
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 where matmuls run fast in it")
 
     @model_validator(mode="before")
@@ -119,6 +128,20 @@ class Hyperparameters(_Strict):
             data,
             ("batch_size", "learning_rate_multiplier", "n_epochs", "eval_interval", "eval_samples", "beta"),
         )
+
+    @field_validator("keep_best")
+    @classmethod
+    def _a_validation_metric(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith("val/") and metrics.is_known(v)):
+            known = ", ".join(n for n in metrics.METRICS if n.startswith("val/"))
+            raise ValueError(f"must name a validation metric: one of {known}, or val/reward/{{grader}}/mean")
+        return v
+
+    @model_validator(mode="after")
+    def _patience_needs_keep_best(self) -> Hyperparameters:
+        if self.early_stopping_patience is not None and self.keep_best is None:
+            raise ValueError("early_stopping_patience needs keep_best: the metric whose improvement it waits for")
+        return self
 
     @field_validator("learning_rate_multiplier")
     @classmethod
@@ -164,6 +187,9 @@ class RLHyperparameters(Hyperparameters):
         None, gt=1, le=100, description="dual-clip constant c (Ye et al. 2019), 1 < c ≤ 100; off by default"
     )
     beta: float = Field(0.04, ge=0, le=10, description="KL coefficient, 0 to 10; 0 skips the reference pass")
+    reward_clip: float | None = Field(
+        None, gt=0, le=1e6, description="the grader's reward clipped to ±reward_clip before training on it; None: off"
+    )
     kl_estimator: KLEstimatorName = "k3"
     loss_aggregation: AggregationName = "seq_mean_token_mean"
     mask_truncated_completions: bool = False
@@ -277,10 +303,26 @@ class PPOHyperparameters(RLHyperparameters):
 
 
 class RewardModelHyperparameters(Hyperparameters):
-    """Bradley–Terry reward model (Ouyang et al. 2022; TRL's RewardConfig): a score head read at the last token,
-    loss −log σ(r_chosen − r_rejected − m)."""
+    """Bradley–Terry reward model (Ouyang et al. 2022; TRL's RewardConfig): loss −log σ(r_chosen − r_rejected − m)
+    on r from ``head`` (``trainer.reward_model``). The defaults are what reached
+    the best held-out pairwise accuracy on the built-in preference data (BENCHMARKS.md): the likelihood head, validation
+    every 25 steps with the best checkpoint by validation accuracy kept, 10% of the pairs held out when there is no
+    validation file."""
 
-    learning_rate: float = Field(1e-4, gt=0, le=1.0)
+    learning_rate: float = Field(3e-4, gt=0, le=1.0)
+    batch_size: int = Field(32, ge=1, le=MAX_BATCH, description=f"pairs per training step, 1 to {MAX_BATCH}")
+    eval_interval: int = Field(25, ge=0, le=MAX_STEPS, description="steps between validation runs; 0: only at the end")
+    keep_best: str | None = Field(
+        "val/preference/accuracy", description="the validation metric whose best checkpoint is the result; None: last"
+    )
+    head: Literal["likelihood", "mean", "last"] = Field(
+        "likelihood",
+        description="likelihood: the tuned LM's mean log-probability of the reply times a learned scale; mean or last: "
+        "a linear score head on the mean of the reply's final hidden states or on the last token's",
+    )
+    validation_split: float = Field(
+        0.1, ge=0, lt=1, description="share of the training pairs held out for validation when no validation file"
+    )
     max_length: int = Field(
         1024, ge=2, le=MAX_TOKENS, description="tokens of prompt plus completion; longer pairs are refused"
     )
@@ -527,11 +569,27 @@ def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
         raise SpecError("overlong_buffer must not exceed max_completion_tokens", param=f"{where}.overlong_buffer")
 
 
+def held_out_count(n_examples: int, share: float) -> int:
+    """Examples a ``validation_split`` of ``share`` holds out of ``n_examples``: at least one, never all."""
+    if n_examples < 2 or share <= 0:
+        return 0
+    return min(max(1, round(share * n_examples)), n_examples - 1)
+
+
+def trained_examples(spec: JobSpec, n_examples: int) -> int:
+    """The training file's examples the run trains on: all, less a reward model's validation split when the job has
+    no validation file."""
+    hp = spec.method.hyperparameters
+    if isinstance(hp, RewardModelHyperparameters) and spec.validation_file is None:
+        return n_examples - held_out_count(n_examples, hp.validation_split)
+    return n_examples
+
+
 def check_total_steps(spec: JobSpec, *, n_examples: int) -> None:
     """:class:`SpecError` when a run over ``n_examples`` training examples plans more than :data:`MAX_STEPS` steps
     (``n_epochs`` passes of ``batch_size``; ``max_steps`` is bounded on its own)."""
     hp = spec.method.hyperparameters
-    if (steps := hp.total_steps(n_examples)) > MAX_STEPS:
+    if (steps := hp.total_steps(trained_examples(spec, n_examples))) > MAX_STEPS:
         raise SpecError(
             f"{hp.n_epochs} epochs of {n_examples:,} examples in batches of {hp.batch_size} are {steps:,} steps; "
             f"at most {MAX_STEPS:,}: lower n_epochs or set max_steps",

@@ -9,6 +9,7 @@ loading the training stack. Tokenising, batching and sampling orders live in ``t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from trainer import graders, json_values
 from trainer.agent_spec import AgentSpec, ToolSpec, parse_line_tools
 
 ROLES = ("system", "developer", "user", "assistant")
+KIND_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a preference line's optional "kind"
 
 
 class DatasetError(ValueError):
@@ -143,6 +145,7 @@ class PreferenceItem:
     rejected: str
     margin: float = 0.0  # the line's own Bradley–Terry margin, added to the hyperparameter's
     line: int = 0
+    kind: str | None = None  # the line's own label of the pair's kind; pairwise accuracy is also reported by kind
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,10 @@ def parse_preference_line(obj: Any, line: int = 0) -> PreferenceItem:
     margin = obj.get("margin", 0.0)
     if isinstance(margin, bool) or not isinstance(margin, int | float) or margin != margin:
         raise ValueError("'margin' must be a number")
-    return PreferenceItem(prompt, chosen, rejected, float(margin), line)
+    kind = obj.get("kind")
+    if kind is not None and (not isinstance(kind, str) or not KIND_PATTERN.fullmatch(kind)):
+        raise ValueError("'kind' must be 1 to 64 letters, digits, '_', '-' or '.'")
+    return PreferenceItem(prompt, chosen, rejected, float(margin), line, kind)
 
 
 def parse_supervised_line(obj: Any, line: int = 0) -> SupervisedItem:

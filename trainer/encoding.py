@@ -127,6 +127,7 @@ class EncodedPair:
     rejected_ids: list[int]
     margin: float
     line: int
+    kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def encode_preferences(
                 line=it.line,
                 path=path,
             )
-        out.append(EncodedPair(prompt_ids, chosen, rejected, it.margin, it.line))
+        out.append(EncodedPair(prompt_ids, chosen, rejected, it.margin, it.line, it.kind))
     return out
 
 

@@ -140,6 +140,12 @@ VALUE_MEAN = _metric("value/mean", "mean V over completion tokens at sampling ti
 RETURNS_MEAN = _metric("returns/mean", "mean GAE return R = A + V over completion tokens")
 EXPLAINED_VARIANCE = _metric("value/explained_variance", "1 − Var(R − V)/Var(R) over completion tokens")
 VALUE_CLIP_FRAC = _metric("value/clip_frac", "fraction of tokens where the clipped value loss is the larger one")
+REWARD_CLIP_FRAC = _metric("reward/clip_frac", "fraction of samples whose reward was clipped to ±reward_clip")
+VAL_OVEROPTIMISATION = _metric(
+    "val/overoptimisation",
+    "how far the held-out graders' validation mean (a multi's sub-graders its formula does not read) has fallen "
+    "below its best while the trained reward's validation mean stands above its value at that best; 0 otherwise",
+)
 NON_SCORE_REWARD = _metric("reward/non_score", "mean over sequences of Σ_t −β·KL_t: the KL part of the return")
 
 # Preference methods (reward_model, dpo) and supervised; the training loss is LOSS_TOTAL
@@ -159,6 +165,11 @@ VAL_TOKEN_ACCURACY = _metric("val/token_accuracy", "token_accuracy on the valida
 REWARD_OF_GRADER = Family("reward/{grader}/mean", "mean reward of one named sub-grader over the sampled completions")
 VAL_REWARD_OF_GRADER = Family("val/reward/{grader}/mean", "greedy mean reward of one named sub-grader on validation")
 
+# Series per kind of preference pair (a line's optional "kind")
+VAL_PREFERENCE_ACCURACY_OF_KIND = Family(
+    "val/preference/accuracy/{kind}", "preference/accuracy on the validation pairs of one kind (a line's 'kind')"
+)
+
 # Series per tool of an agent job
 TOOL_CALLS_OF = Family("tools/{tool}/calls", "mean calls of one tool per episode")
 TOOL_ERRORS_OF = Family("tools/{tool}/errors", "failed calls of one tool in the step")
@@ -166,7 +177,14 @@ TOOL_LATENCY_OF = Family("tools/{tool}/latency_s", "mean wall time of one tool's
 
 METRICS: Mapping[str, Metric] = MappingProxyType(_METRICS)
 """Every metric name that is not of a family, with its definition."""
-FAMILIES: tuple[Family, ...] = (REWARD_OF_GRADER, VAL_REWARD_OF_GRADER, TOOL_CALLS_OF, TOOL_ERRORS_OF, TOOL_LATENCY_OF)
+FAMILIES: tuple[Family, ...] = (
+    REWARD_OF_GRADER,
+    VAL_REWARD_OF_GRADER,
+    VAL_PREFERENCE_ACCURACY_OF_KIND,
+    TOOL_CALLS_OF,
+    TOOL_ERRORS_OF,
+    TOOL_LATENCY_OF,
+)
 
 TIMING_METRICS = frozenset(m.name for m in _METRICS.values() if m.timing)
 """Wall-clock metrics: everything else is a deterministic function of the seed on a given machine."""

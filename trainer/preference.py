@@ -17,18 +17,18 @@ full-batch gradient).
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from trainer import checkpoint as ckpt
 from trainer import metrics as M
 from trainer.callbacks import Callback
-from trainer.config import DPOHyperparameters, JobSpec, RewardModelHyperparameters
+from trainer.config import DPOHyperparameters, JobSpec, RewardModelHyperparameters, held_out_count
 from trainer.core_algos import PAIRWISE_LOSSES, PairwiseOptions, masked_sum
-from trainer.data import load_preferences
+from trainer.data import DatasetError, load_preferences
 from trainer.encoding import EncodedPair, PromptSampler, completion_batch, encode_preferences
 from trainer.engine import Engine, ParamGroup, check_context, eager_attention_for_bf16_cpu, load_policy, seed_everything
 from trainer.models import (
@@ -39,11 +39,18 @@ from trainer.models import (
     resolve_precision,
     trainable_parameters,
 )
-from trainer.reward_model import RewardModelInfo, build_reward_model, score_statistics, sequence_scores
+from trainer.reward_model import SCALE, RewardModelInfo, add_scale, build_reward_model, reward_scores, score_statistics
 from trainer.rollout import Rollout, completion_logprobs, micro_slices
 from trainer.steps import EngineLoop, validation_due
 
 STATS_PAIRS = 2048  # pairs scored at the end for a reward model's score statistics
+MAX_KINDS = 32  # distinct 'kind' values of the validation pairs, each a val/preference/accuracy/{kind} series
+
+
+def held_out(pairs: list[EncodedPair], share: float, *, seed: int) -> tuple[list[EncodedPair], list[EncodedPair]]:
+    """(training, validation): ``held_out_count`` of the pairs drawn by ``seed``; each list keeps the file's order."""
+    chosen = set(random.Random(seed).sample(range(len(pairs)), held_out_count(len(pairs), share)))
+    return [p for i, p in enumerate(pairs) if i not in chosen], [p for i, p in enumerate(pairs) if i in chosen]
 
 
 class PreferenceTrainer(EngineLoop):
@@ -59,7 +66,12 @@ class PreferenceTrainer(EngineLoop):
         self.device = device or default_device()
         self.precision: Precision = resolve_precision(hp.precision, self.device)
         seed_everything(spec.seed)
-        if self.reward_model:
+        if isinstance(hp, RewardModelHyperparameters) and hp.head == "likelihood":
+            self.model = load_policy(
+                spec.model, spec.method.lora, device=self.device, precision=self.precision, seed=spec.seed
+            ).model
+            add_scale(self.model, self.device)
+        elif self.reward_model:
             self.model = build_reward_model(
                 spec.model,
                 spec.method.lora,
@@ -102,6 +114,14 @@ class PreferenceTrainer(EngineLoop):
         self.val_pairs = encode_preferences(
             self.tokenizer, val_items, max_length=hp.max_length, path=spec.validation_file or ""
         )
+        if isinstance(hp, RewardModelHyperparameters) and not val_items and hp.validation_split > 0:
+            self.train_pairs, self.val_pairs = held_out(self.train_pairs, hp.validation_split, seed=spec.seed)
+        kinds = {p.kind for p in self.val_pairs if p.kind is not None}
+        if len(kinds) > MAX_KINDS:
+            raise DatasetError(
+                f"{spec.validation_file or spec.training_file}: the validation pairs have {len(kinds)} distinct "
+                f"'kind' values; at most {MAX_KINDS} (each is a metric series)"
+            )
         longest = max(
             len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in self.train_pairs + self.val_pairs
         )
@@ -120,10 +140,12 @@ class PreferenceTrainer(EngineLoop):
     def has_validation_data(self) -> bool:
         return bool(self.val_pairs)
 
-    def on_saved(self, step: int, checkpoint: ckpt.Checkpoint) -> None:
+    def on_saved(self, step: int, adapter_dir: Path) -> None:
         if self.reward_model:
-            # Every checkpoint is a usable reward model; the last one also carries its score statistics.
-            self._reward_model_info(final=step == self.total_steps).write(checkpoint.adapter_dir)
+            # Every adapter written is a usable reward model. Its score statistics are measured on the validation
+            # pairs at every checkpoint (cheap, and keep_best may make any of them the result), else at the last one.
+            final = step == self.total_steps or bool(self.val_pairs)
+            self._reward_model_info(final=final).write(adapter_dir)
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -178,7 +200,8 @@ class PreferenceTrainer(EngineLoop):
         batch = self._batch(pairs)
         if self.reward_model:
             self.model.train(train and self.spec.method.lora.dropout > 0)
-            scores = sequence_scores(self.model, batch, precision=self.precision)  # [2b]
+            assert isinstance(self.hp, RewardModelHyperparameters)
+            scores = reward_scores(self.model, batch, precision=self.precision, head=self.hp.head)  # [2b]
             self.model.eval()
             return scores[:b], scores[b:], scores[:b].detach(), scores[b:].detach()
         assert isinstance(self.hp, DPOHyperparameters)
@@ -213,19 +236,25 @@ class PreferenceTrainer(EngineLoop):
 
     @torch.no_grad()
     def validation_metrics(self) -> dict[str, float]:
-        """Loss, accuracy, margin and rewards over the validation pairs (eval mode, the training batch layout)."""
+        """Loss, accuracy, margin and rewards over the validation pairs (eval mode, the training batch layout), and
+        the accuracy of each kind of pair where the lines name one."""
         sums = {"loss": 0.0, "acc": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
+        right: dict[str, list[float]] = {}
         n = len(self.val_pairs)
         for sl in micro_slices(n, self.hp.micro_batch_size or self.hp.batch_size):
             pairs = self.val_pairs[sl]
             chosen, rejected, r_c, r_r = self._pair_forward(pairs, train=False)
             _accumulate(sums, self.loss(chosen, rejected, self._options(pairs)), r_c, r_r)
+            for pair, ok in zip(pairs, (r_c > r_r).tolist(), strict=True):
+                if pair.kind is not None:
+                    right.setdefault(pair.kind, []).append(float(ok))
         return {
             M.VAL_LOSS: sums["loss"] / n,
             M.validation(M.PREFERENCE_ACCURACY): sums["acc"] / n,
             M.validation(M.PREFERENCE_MARGIN): sums["margin"] / n,
             M.validation(M.REWARDS_CHOSEN): sums["chosen"] / n,
             M.validation(M.REWARDS_REJECTED): sums["rejected"] / n,
+            **{M.VAL_PREFERENCE_ACCURACY_OF_KIND.name(k): sum(v) / len(v) for k, v in sorted(right.items())},
         }
 
     @torch.no_grad()
@@ -233,7 +262,9 @@ class PreferenceTrainer(EngineLoop):
         """``reward_model.json``; at the end with the mean and std of the scores of the validation pairs (else of up
         to STATS_PAIRS training pairs), chosen and rejected together: what ``normalize`` standardises with."""
         assert isinstance(self.hp, RewardModelHyperparameters)
-        info = RewardModelInfo(base_model=self.spec.model, max_length=self.hp.max_length)
+        head = self.hp.head
+        scale = float(getattr(self.model, SCALE)) if head == "likelihood" else None
+        info = RewardModelInfo(base_model=self.spec.model, max_length=self.hp.max_length, head=head, scale=scale)
         if not final:
             return info
         source, pairs = ("validation", self.val_pairs) if self.val_pairs else ("training", self.train_pairs)
@@ -250,6 +281,8 @@ class PreferenceTrainer(EngineLoop):
             score_std=std,
             scored_on=source,
             n_scores=2 * len(pairs),
+            head=head,
+            scale=scale,
         )
 
 

@@ -1,15 +1,21 @@
-"""Reward models: a base LM's backbone under a LoRA adapter with a scalar score head, read at the last real token.
+"""Reward models: a base LM under a LoRA adapter scoring (prompt, reply) pairs, with one of three heads.
+
+- ``likelihood`` (the default): r(x, y) = s · mean_t log π_θ(y_t | x, y_<t), the LoRA-tuned LM's mean log-probability
+  of the reply's tokens (EOS included) times a learned scale s. The LM head compares each reply token with what the
+  model predicts there, which a score head on hidden states must learn from scratch: on tiny-arith this ranks 1.0 of
+  held-out pairs after 100 steps where the score heads plateau at 0.86–0.94 (BENCHMARKS.md). The adapter is a
+  ``CAUSAL_LM`` LoRA adapter; s is stored in ``reward_model.json``.
+- ``mean`` / ``last``: a base LM's backbone with a scalar score head (``AutoModelForSequenceClassification``, task
+  ``SEQ_CLS``, the head in ``modules_to_save``), read on the mean of the reply's final hidden states or at the last
+  real token (TRL's reward model; never at "the first pad": pad may equal EOS, rl-algorithms §4.6).
 
 A reward model is trained by ``trainer.preference`` (``method.type: reward_model``) and scored by ``reward_model``
-graders (``trainer.evaluate.grade_batch``). Both run the same forward, :func:`sequence_scores`, on the same layout:
-the prompt through the chat template, the reply, one EOS (``trainer.encoding.encode_completion``). The score is read at
-the last token the attention mask keeps, never at "the first pad" (pad may equal EOS; rl-algorithms §4.6).
+graders (``trainer.evaluate.grade_batch``). Both run the same forward (:func:`reward_scores`) on the same layout: the
+prompt through the chat template, the reply, one EOS (``trainer.encoding.encode_completion``).
 
-A reward-model folder is the PEFT adapter (``adapter_config.json`` with task ``SEQ_CLS``, ``adapter_model.safetensors``
-holding the LoRA weights and the ``score`` head, in ``modules_to_save``) plus ``reward_model.json``: the base model,
-``max_length`` and the mean and standard deviation of its scores on its own preference data (``normalize``). It
-loads with ``PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, num_labels=1), dir)``.
-A grader names either that folder or the output folder of the job that wrote it (``<output>/adapter``).
+A reward-model folder is the PEFT adapter plus ``reward_model.json``: the base model, the head (and its scale),
+``max_length`` and the mean and standard deviation of its scores on its own preference data (``normalize``). A grader
+names either that folder or the output folder of the job that wrote it (``<output>/adapter``).
 """
 
 from __future__ import annotations
@@ -22,12 +28,18 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from trainer import graders
 from trainer.config import LoraSpec
@@ -42,10 +54,13 @@ from trainer.models import (
     resolve_precision,
     store_frozen_linears_in,
 )
-from trainer.rollout import Rollout, position_ids
+from trainer.rollout import Rollout, completion_logprobs, position_ids
 
 INFO_FILE = "reward_model.json"
 FORMAT = "proxima.reward_model/1"
+Pooling = Literal["last", "mean"]
+Head = Literal["likelihood", "mean", "last"]
+SCALE = "reward_scale"  # the likelihood head's learned scale: a parameter on the PEFT model, saved in INFO_FILE
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,8 @@ class RewardModelInfo:
     scored_on: str | None = None  # "validation" or "training": the pairs the statistics come from
     n_scores: int = 0
     format: str = FORMAT
+    head: Head = "last"  # files written before the head was a choice read the last token
+    scale: float | None = None  # the likelihood head's learned scale
 
     def write(self, adapter_dir: Path) -> None:
         (adapter_dir / INFO_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -98,9 +115,12 @@ def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
     return getattr(core, core.base_model_prefix), head
 
 
-def sequence_scores(model: torch.nn.Module, batch: Rollout, *, precision: Precision) -> Tensor:
+def sequence_scores(
+    model: torch.nn.Module, batch: Rollout, *, precision: Precision, pooling: Pooling = "last"
+) -> Tensor:
     """r(x, y) of every row: the score head on the backbone's final hidden state at the last real token of
-    prompt + completion. batch of B rows → [B] fp32, differentiable when grad is enabled.
+    prompt + completion (``last``), or on the mean of its states over the completion's tokens, EOS included
+    (``mean``). batch of B rows → [B] fp32, differentiable when grad is enabled.
 
     The backbone and head are called directly (LoRA is injected into the backbone's layers) rather than through
     the classifier's forward, which pools at the last token that differs from ``pad_token_id``: wrong when pad
@@ -110,10 +130,34 @@ def sequence_scores(model: torch.nn.Module, batch: Rollout, *, precision: Precis
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     with autocast(precision, ids.device):
         hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)[0]
-    last = hidden[torch.arange(ids.shape[0], device=ids.device), last_token_index(mask)]  # [B, H]
+    if pooling == "mean":
+        reply = batch.completion_mask.to(hidden.dtype).unsqueeze(-1)  # [B, Tc, 1]
+        states = hidden[:, batch.prompt_ids.shape[1] :]
+        pooled = (states * reply).sum(1) / reply.sum(1).clamp(min=1)  # [B, H]
+    else:
+        pooled = hidden[torch.arange(ids.shape[0], device=ids.device), last_token_index(mask)]  # [B, H]
     # The head runs in fp32 outside autocast: one small matmul, and the reward keeps fp32 resolution.
     weight = next(head.parameters())
-    return head(last.to(weight.dtype)).squeeze(-1).float()
+    return head(pooled.to(weight.dtype)).squeeze(-1).float()
+
+
+def likelihood_scores(model: torch.nn.Module, batch: Rollout, *, precision: Precision, scale: Tensor | float) -> Tensor:
+    """The likelihood head: s · the mean over the reply's tokens (EOS included) of log π(y_t | x, y_<t): [B] fp32."""
+    logp, _ = completion_logprobs(model, batch, temperature=1.0, precision=precision)
+    mask = batch.completion_mask.to(logp.dtype)
+    return scale * (logp * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def reward_scores(model: torch.nn.Module, batch: Rollout, *, precision: Precision, head: Head) -> Tensor:
+    """r(x, y) of every row with the model's head, differentiable when grad is enabled (training's forward)."""
+    if head == "likelihood":
+        return likelihood_scores(model, batch, precision=precision, scale=getattr(model, SCALE))
+    return sequence_scores(model, batch, precision=precision, pooling=head)
+
+
+def add_scale(model: torch.nn.Module, device: torch.device) -> None:
+    """The likelihood head's scale s, a trained parameter of the model (so checkpoints restore it), starting at 1."""
+    setattr(model, SCALE, torch.nn.Parameter(torch.ones((), device=device)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -187,8 +231,9 @@ def read_info(path: Path, *, grader: str = "reward_model") -> tuple[Path, Reward
         raise graders.GraderError(
             f"{where} is an adapter without a readable {INFO_FILE}: not the output of a reward_model job"
         ) from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT or task != "SEQ_CLS":
-        raise graders.GraderError(f"{where} is not a reward model ({INFO_FILE} format {FORMAT}, task SEQ_CLS)")
+    expected = "CAUSAL_LM" if isinstance(raw, dict) and raw.get("head") == "likelihood" else "SEQ_CLS"
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or task != expected:
+        raise graders.GraderError(f"{where} is not a reward model ({INFO_FILE} format {FORMAT}, task {expected})")
     try:
         info = RewardModelInfo(**raw)
     except TypeError as err:
@@ -223,13 +268,18 @@ class RewardModel:
         self.device = device
         self.precision: Precision = precision or resolve_precision("auto", device)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.info.base_model)
+        likelihood = self.info.head == "likelihood"
         try:
             with _quiet_transformers():
-                base = AutoModelForSequenceClassification.from_pretrained(
-                    self.info.base_model, num_labels=1, dtype=torch.float32
+                base = (
+                    AutoModelForCausalLM.from_pretrained(self.info.base_model, dtype=torch.float32)
+                    if likelihood
+                    else AutoModelForSequenceClassification.from_pretrained(
+                        self.info.base_model, num_labels=1, dtype=torch.float32
+                    )
                 )
         except (OSError, ValueError) as err:
-            raise ModelError(f"cannot load model {self.info.base_model!r} with a score head: {err}") from None
+            raise ModelError(f"cannot load model {self.info.base_model!r}: {err}") from None
         base.config.pad_token_id = self.tokenizer.pad_token_id
         # Scoring only: the LoRA weights are merged into the base (W + s·BA), so a forward is the plain model's,
         # without the adapter's extra matmuls and scaling (the same function: test_reward_model).
@@ -255,8 +305,14 @@ class RewardModel:
             chunk = zip(prompts[start : start + batch_size], replies[start : start + batch_size], strict=True)
             enc = [self._encode(p, r) for p, r in chunk]
             batch = completion_batch([p for p, _ in enc], [c for _, c in enc], self.tokenizer.pad_token_id)
-            out.append(sequence_scores(self.model, batch.to(self.device), precision=self.precision).cpu())
+            out.append(self._forward(batch.to(self.device)).cpu())
         return torch.cat(out) if out else torch.zeros(0)
+
+    def _forward(self, batch: Rollout) -> Tensor:
+        if self.info.head == "likelihood":
+            scale = self.info.scale if self.info.scale is not None else 1.0
+            return likelihood_scores(self.model, batch, precision=self.precision, scale=scale)
+        return sequence_scores(self.model, batch, precision=self.precision, pooling=self.info.head)
 
     def normalize(self, scores: Tensor) -> Tensor:
         assert self.info.score_mean is not None and self.info.score_std is not None

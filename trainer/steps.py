@@ -9,15 +9,20 @@ imports the dispatcher but its callers (the CLI, the worker's runner).
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from peft import PeftModel
+
 from trainer import checkpoint as ckpt
 from trainer.callbacks import Callback
 from trainer.config import Hyperparameters, JobSpec
 from trainer.engine import Engine
+
+INITIAL_ADAPTER = "initial_adapter"  # the adapter before any step, kept when keep_best may choose the base model
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,7 @@ class RunResult:
     stopped: bool  # True when should_stop() ended the run early
     adapter_dir: Path | None  # the final adapter (None when stopped early)
     final_metrics: dict[str, float]
+    best_step: int | None = None  # with keep_best: the step whose adapter is the result (0: the base model)
 
 
 class StepLoop(Protocol):
@@ -53,6 +59,10 @@ class StepLoop(Protocol):
         ...
 
     def validation_metrics(self) -> dict[str, float]: ...
+
+    def save_adapter(self, path: Path) -> None:
+        """Write the adapter as it is now to ``path`` (no checkpoint, nothing told)."""
+        ...
 
 
 class Trainer(Protocol):
@@ -86,24 +96,75 @@ class EngineLoop:
             resume=resume,
             validate_first=self.has_validation_data() and bool(self.hp.eval_interval),
             checkpoint_interval=self.hp.checkpoint_interval,
+            best=BestCheckpoint(self.hp.keep_best, self.hp.early_stopping_patience) if self.hp.keep_best else None,
         )
+
+    def save_adapter(self, path: Path) -> None:
+        assert isinstance(self.engine.model, PeftModel)
+        ckpt.save_adapter(self.engine.model, path)
+        self.on_saved(0, path)
 
     def load_state(self, state: dict[str, Any]) -> int:
         return self.engine.load_state(state)
 
     def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
         c = self.engine.save_checkpoint(self.out, step=step, spec=self.spec.to_json(), metrics=metrics)
-        self.on_saved(step, c)
+        self.on_saved(step, c.adapter_dir)
         self.cb.on_checkpoint(step, c.path, metrics)
         return c
 
-    def on_saved(self, step: int, checkpoint: ckpt.Checkpoint) -> None:
-        """Called after a checkpoint is written, before the callback hears of it."""
+    def on_saved(self, step: int, adapter_dir: Path) -> None:
+        """Called after an adapter is written (a checkpoint's, before the callback hears of it, or the initial one)."""
 
 
-def run_steps(loop: StepLoop, *, resume: bool, validate_first: bool, checkpoint_interval: int) -> RunResult:
+@dataclass
+class BestCheckpoint:
+    """``keep_best``: the validation metric to keep the best checkpoint of, and where it stands. Stored as
+    ``best.json`` in the run folder, so a resumed run keeps the best of the steps before it. Step 0 is the base
+    model (the adapter as initialised, saved to ``initial_adapter/``): a run that only made things worse ends with it.
+    """
+
+    metric: str
+    patience: int | None  # validations without a new best before the run stops; None: never
+    step: int | None = None
+    value: float | None = None
+    stale: int = 0  # validations since the best
+
+    FILE = "best.json"
+
+    @property
+    def minimise(self) -> bool:
+        return self.metric.endswith("loss")
+
+    def better(self, value: float) -> bool:
+        if self.value is None:
+            return True
+        return value < self.value if self.minimise else value > self.value
+
+    def load(self, out: Path) -> None:
+        path = out / self.FILE
+        if path.exists():
+            raw = json.loads(path.read_text())
+            if raw.get("metric") == self.metric:
+                self.step, self.value, self.stale = raw["step"], raw["value"], raw["stale"]
+
+    def write(self, out: Path) -> None:
+        data = {"metric": self.metric, "step": self.step, "value": self.value, "stale": self.stale}
+        (out / self.FILE).write_text(json.dumps(data) + "\n")
+
+
+def run_steps(
+    loop: StepLoop,
+    *,
+    resume: bool,
+    validate_first: bool,
+    checkpoint_interval: int,
+    best: BestCheckpoint | None = None,
+) -> RunResult:
     """Resume from the latest checkpoint, validation at step 0, a checkpoint every ``checkpoint_interval`` steps and
-    at the end, a stop between steps (saved first), the final adapter."""
+    at the end, a stop between steps (saved first), the final adapter: the last step's, or with ``best`` the one
+    where the validation metric was best (and the run ends early after ``best.patience`` validations without a new
+    best)."""
     cb = loop.cb
     start = 0
     latest = ckpt.latest_checkpoint(loop.out) if resume else None
@@ -116,9 +177,16 @@ def run_steps(loop: StepLoop, *, resume: bool, validate_first: bool, checkpoint_
             f"training {loop.spec.method.type} on {loop.spec.model} for {loop.total_steps} steps",
             {"total_steps": loop.total_steps, "precision": loop.precision},
         )
+    if best is not None and latest is not None:
+        best.load(loop.out)
     last_metrics: dict[str, float] = {}
     if start == 0 and validate_first:
-        cb.on_metrics(0, loop.validation_metrics())  # the starting point of the validation curve
+        first = loop.validation_metrics()
+        cb.on_metrics(0, first)  # the starting point of the validation curve
+        if best is not None and best.metric in first:
+            loop.save_adapter(loop.out / INITIAL_ADAPTER)
+            best.step, best.value, best.stale = 0, first[best.metric], 0
+            best.write(loop.out)
     last_saved = start
     step = start
     for step in range(start + 1, loop.total_steps + 1):
@@ -129,16 +197,55 @@ def run_steps(loop: StepLoop, *, resume: bool, validate_first: bool, checkpoint_
             cb.on_event("info", f"stopped at step {step}", {"step": step})
             return RunResult(step, loop.total_steps, True, None, last_metrics)
         last_metrics = loop.step(step)
-        if step % checkpoint_interval == 0 or step == loop.total_steps:
+        due = step % checkpoint_interval == 0 or step == loop.total_steps
+        if best is not None and best.metric in last_metrics:
+            value = last_metrics[best.metric]
+            if best.better(value):
+                best.step, best.value, best.stale = step, value, 0
+                due = True  # the best step's adapter must exist
+            else:
+                best.stale += 1
+        if due:
             loop.save(step, last_metrics)
             last_saved = step
+        if best is not None:
+            best.write(loop.out)  # after the checkpoint it may name
+            if best.patience is not None and best.stale >= best.patience and step < loop.total_steps:
+                cb.on_event(
+                    "info",
+                    f"early stopping at step {step}: {best.metric} has not improved on {best.value:.4g} (step "
+                    f"{best.step}) in {best.stale} validations",
+                    {"step": step, "metric": best.metric, "best_step": best.step, "best_value": best.value},
+                )
+                if last_saved != step:
+                    loop.save(step, last_metrics)
+                break
     adapter = loop.out / "adapter"
     shutil.rmtree(adapter, ignore_errors=True)
-    final = ckpt.latest_checkpoint(loop.out)
-    assert final is not None and final.step == loop.total_steps
-    shutil.copytree(final.adapter_dir, adapter)
+    shutil.copytree(_result_adapter(loop, best, step, last_metrics), adapter)
     cb.on_event("info", "training finished", {"step": step})
-    return RunResult(loop.total_steps, loop.total_steps, False, adapter, last_metrics)
+    return RunResult(step, loop.total_steps, False, adapter, last_metrics, best_step=best.step if best else None)
+
+
+def _result_adapter(loop: StepLoop, best: BestCheckpoint | None, step: int, last: dict[str, float]) -> Path:
+    """The adapter the run ends with: the last checkpoint's, or the best one's (an event says which and why)."""
+    final = ckpt.latest_checkpoint(loop.out)
+    assert final is not None and final.step == step
+    if best is None or best.step is None or best.step == step:
+        return final.adapter_dir
+    assert best.value is not None
+    where = "the base model (no step improved on it)" if best.step == 0 else f"step {best.step}"
+    loop.cb.on_event(
+        "info",
+        f"the job's adapter is the best checkpoint by {best.metric}: {where}, {best.value:.4g} against "
+        f"{last.get(best.metric, float('nan')):.4g} at the last validation",
+        {"metric": best.metric, "best_step": best.step, "best_value": best.value, "last_step": step},
+    )
+    if best.step == 0:
+        return loop.out / INITIAL_ADAPTER
+    chosen = next((c for c in ckpt.list_checkpoints(loop.out) if c.step == best.step), None)
+    assert chosen is not None, f"no checkpoint of the best step {best.step}"
+    return chosen.adapter_dir
 
 
 def validation_due(step: int, *, interval: int, total_steps: int) -> bool:

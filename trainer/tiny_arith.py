@@ -173,21 +173,39 @@ def _messages(a: int, b: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt_text(a, b)}]
 
 
-def _wrong_answer(a: int, b: int, rng: random.Random) -> str:
-    """The dropped-carry answer when it is wrong; otherwise the sum off by a random nonzero amount."""
+# The offsets of a wrong sum that is not the dropped-carry one: a units digit off by 1 to 9 (which may carry into the
+# tens), or the tens digit off by one or two. Symmetric, so "the larger sum" never marks the right answer.
+_WRONG_OFFSETS = (*range(-9, 0), *range(1, 10), -20, -10, 10, 20)
+
+
+def _wrong_answer(a: int, b: int, rng: random.Random) -> int:
+    """A wrong sum: the dropped-carry one (the base model's own mistake) half the time when it is wrong, otherwise the
+    right sum off by a random offset of ``_WRONG_OFFSETS``. Dropped carries only ever make a sum smaller, so a
+    generator of those alone would let a reward model learn "prefer the larger number" (0.88 held out) instead of
+    checking the digits."""
     right = a + b
     dropped = dropped_carry(a, b)
-    if dropped != right:
-        return str(dropped)
-    offsets = [d for d in range(-9, 10) if d != 0 and right + d >= 0]
-    return str(right + rng.choice(offsets))
+    if dropped != right and rng.random() < 0.5:
+        return dropped
+    return right + rng.choice([d for d in _WRONG_OFFSETS if right + d >= 0])
+
+
+def error_kind(right: int, wrong: int) -> str:
+    """The leftmost place where a wrong sum's digits differ from the right one's, both read as three digits:
+    "hundreds" (57 + 68 = 125 answered 15, a dropped carry into the hundreds), "tens" or "units"."""
+    for place, r, w in zip(("hundreds", "tens", "units"), f"{right:03d}", f"{wrong:03d}", strict=True):
+        if r != w:
+            return place
+    raise ValueError(f"{wrong} is the right sum")
 
 
 def _preference_row(a: int, b: int, rng: random.Random) -> dict[str, Any]:
+    wrong = _wrong_answer(a, b, rng)
     return {
         "input": {"messages": _messages(a, b)},
         "preferred_output": [{"role": "assistant", "content": answer_text(a, b)}],
-        "non_preferred_output": [{"role": "assistant", "content": _wrong_answer(a, b, rng)}],
+        "non_preferred_output": [{"role": "assistant", "content": str(wrong)}],
+        "kind": error_kind(a + b, wrong),
     }
 
 
@@ -205,14 +223,15 @@ def _supervised_row(a: int, b: int) -> dict[str, Any]:
 
 
 def write_arithmetic_datasets(
-    out_dir: Path, *, seed: int = 0, n_train: int = 2000, n_preferences: int = 1000, n_supervised: int = 1000
+    out_dir: Path, *, seed: int = 0, n_train: int = 2000, n_preferences: int = 4000, n_supervised: int = 1000
 ) -> dict[str, Path]:
     """Write the task's datasets as JSONL into `out_dir` and return their paths by name.
 
     - `train` / `validation`: RL prompts `{"messages": [...], "answer": "81"}`; validation is exactly the
       200 held-out pairs of `split_pairs()`, train is `n_train` pairs drawn from the rest.
     - `preferences` / `validation_preferences`: OpenAI preference rows whose non-preferred answer is the
-      dropped-carry one where that is wrong (the model's own typical mistake), else another wrong sum.
+      dropped-carry one (the model's own typical mistake) half the time where that is wrong, else the right sum off
+      by 1 to 9, 10 or 20 either way; each row's `kind` says where the wrong sum first differs (`error_kind`).
     - `supervised` / `validation_supervised`: conversations `{"messages": [user, assistant]}` with the
       correct sum as the assistant turn (`n_supervised` training pairs; validation is the held-out 200).
     """

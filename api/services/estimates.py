@@ -29,7 +29,7 @@ from api.schemas import EstimateBasis, JobCreate, JobEstimate
 from api.services import jobs as jobs_service
 from api.settings import Settings
 from trainer import metrics as M
-from trainer.config import HYPERPARAMETERS, RL_METHODS
+from trainer.config import HYPERPARAMETERS, RL_METHODS, trained_examples
 
 VALIDATION_PREFIX = "val/"  # the validation series (trainer.metrics.validation): a step that ran one is slower
 RL_STEP = "batch_size × samples_per_prompt × max_completion_tokens"
@@ -74,7 +74,7 @@ def estimate(*, session: Session, settings: Settings, tenant: Caller, body: JobC
     else:
         row = files_repo.get(session, tenant_id=tenant.id, file_id=spec.training_file)
         assert row is not None  # validated_spec checked it
-        total, source = hp.total_steps(row.lines), "training_file"
+        total, source = hp.total_steps(trained_examples(spec, row.lines)), "training_file"
     hyperparameters = spec_json["method"][method]["hyperparameters"]
     rate, n_jobs, n_steps = seconds_per_unit(sizing.measured_jobs(session, model=spec.model, method=method), method)
     scaled_by = RL_STEP if method in RL_METHODS else STEP

@@ -1,5 +1,5 @@
-"""Learning on tiny-arith: a reward model learns to prefer correct sums on held-out problems, DPO raises the held-out
-preference accuracy and margin of its implicit reward, supervised fine-tuning on correct sums lowers validation loss.
+"""Learning on tiny-arith: DPO raises the held-out preference accuracy and margin of its implicit reward, supervised
+fine-tuning on correct sums lowers validation loss (the reward model's learning test is test_rlhf_learning's).
 
 Slow (tens of seconds each on 2 cores, plus the one-off tiny-arith build) but run in CI. The held-out sets are the
 200 validation problems no training file contains; an accuracy over 200 pairs has a standard error of about 0.03.
@@ -19,7 +19,6 @@ from trainer.config import parse_spec
 from trainer.train import train
 
 FILES = {
-    "reward_model": ("preferences.jsonl", "validation_preferences.jsonl"),
     "dpo": ("preferences.jsonl", "validation_preferences.jsonl"),
     "supervised": ("supervised.jsonl", "validation_supervised.jsonl"),
 }
@@ -48,29 +47,6 @@ def run(
 
 
 @pytest.mark.slow
-def test_reward_model_reaches_high_heldout_pairwise_accuracy(
-    tiny_arith_dir: Path, arithmetic_data: Path, tmp_path: Path
-) -> None:
-    """48 steps of 32 pairs (1.5 epochs). Measured 0.53 → 0.865 (0.80–0.87 across schedules): 100% of the pairs
-    whose rejected answer drops the carry into the hundreds (a digit shorter), 65–75% of those where the reward model
-    must check a units or tens digit itself. Longer runs (up to 8 epochs, 3000 pairs, other ranks and learning rates)
-    plateau at 0.80–0.85 on this 3M-parameter model."""
-    base, final = run(
-        "reward_model",
-        tiny_arith_dir,
-        arithmetic_data,
-        tmp_path,
-        lora={"r": 64, "alpha": 128},
-        batch_size=32,
-        max_steps=48,
-        learning_rate=1e-3,
-    )
-    acc = M.validation(M.PREFERENCE_ACCURACY)
-    print(f"reward model: held-out pairwise accuracy {base[acc]:.3f} → {final[acc]:.3f}")
-    assert final[acc] >= 0.8
-
-
-@pytest.mark.slow
 def test_dpo_raises_heldout_preference_accuracy_and_margin(
     tiny_arith_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
@@ -81,7 +57,9 @@ def test_dpo_raises_heldout_preference_accuracy_and_margin(
         f"margin {base[margin]:.3f} → {final[margin]:.3f}"
     )
     assert base[acc] == 0.0 and base[margin] == 0.0  # the policy starts as the reference
-    assert final[acc] >= 0.75 and final[margin] >= 0.5  # measured 0.835 and 0.90
+    # Measured 0.775 and 0.357 on the built-in pairs, half of whose rejected sums are off by a few units or tens (0.835
+    # and 0.90 on the earlier pairs, whose rejected sums were almost all dropped carries: always smaller, easy to tell).
+    assert final[acc] >= 0.7 and final[margin] >= 0.25
 
 
 @pytest.mark.slow

@@ -105,8 +105,9 @@ def test_each_method_records_its_metric_vocabulary_and_a_loadable_adapter(
     if method == "reward_model":
         info = json.loads((res.adapter_dir / "reward_model.json").read_text())
         assert info["scored_on"] == "validation" and info["n_scores"] == 32 and info["score_std"] > 0
+        assert info["head"] == "likelihood" and info["scale"] > 0  # the default head; its scale trained from 1
         config = json.loads((res.adapter_dir / "adapter_config.json").read_text())
-        assert config["task_type"] == "SEQ_CLS" and "score" in config["modules_to_save"]
+        assert config["task_type"] == "CAUSAL_LM"
 
 
 def test_dpo_starts_at_log_2_with_zero_implicit_rewards(

@@ -122,7 +122,8 @@ def test_preference_file_errors_not_found_empty_and_not_json(tmp_path: Path) -> 
 
 def test_tiny_arith_preference_files_load(arithmetic_data: Path) -> None:
     items = load_preferences(arithmetic_data / "preferences.jsonl")
-    assert len(items) == 1000 and all(it.chosen != it.rejected for it in items)
+    assert len(items) == 4000 and all(it.chosen != it.rejected for it in items)
+    assert {it.kind for it in items} == {"units", "tens", "hundreds"}
 
 
 # --- supervised lines ---------------------------------------------------------------------------------------

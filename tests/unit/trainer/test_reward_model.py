@@ -91,6 +91,23 @@ def test_score_is_unchanged_by_appended_padding_and_batch_neighbours(reward_mode
     assert scores.std() > 1e-4  # the replies really score differently
 
 
+def test_mean_pooling_scores_the_mean_of_the_reply_states_whatever_the_padding(reward_model_dir: Path) -> None:
+    """pooling "mean": head(mean of the final hidden states over the reply's tokens, EOS included), computed here by
+    hand from one unpadded forward per row; padding on either side and batch neighbours change nothing."""
+    rm = load_reward_model(reward_model_dir, precision="fp32")
+    tok, model = rm.tokenizer, rm.model
+    backbone = getattr(model, model.base_model_prefix)
+    with torch.no_grad():
+        scores = sequence_scores(model, batch_of(tok, PROMPTS, REPLIES), precision="fp32", pooling="mean")
+        for i, (prompt, reply) in enumerate(zip(PROMPTS, REPLIES, strict=True)):
+            p, c = encode_completion(tok, prompt, reply)
+            hidden = backbone(input_ids=torch.tensor([p + c]))[0][0]  # [T, H]
+            by_hand = model.score(hidden[len(p) :].mean(0))
+            torch.testing.assert_close(scores[i : i + 1], by_hand, rtol=0, atol=1e-5)
+        last = sequence_scores(model, batch_of(tok, PROMPTS, REPLIES), precision="fp32")
+    assert not torch.allclose(scores, last)  # a different reading of the same states
+
+
 def test_score_is_read_at_the_eos_even_when_pad_equals_eos(reward_model_dir: Path) -> None:
     rm = load_reward_model(reward_model_dir, precision="fp32")
     tok = rm.tokenizer
@@ -250,3 +267,55 @@ def test_loaded_reward_model_is_merged_and_scores_as_the_adapter(reward_model_di
         adapter_scores = sequence_scores(unmerged, batch, precision="fp32")
     torch.testing.assert_close(merged_scores, adapter_scores, rtol=0, atol=1e-5)
     assert adapter_scores.std() > 1e-4
+
+
+# -- the likelihood head ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def likelihood_model_dir(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A likelihood-head reward model: a CAUSAL_LM LoRA adapter with non-trivial weights, scale 2.5."""
+    out = tmp_path_factory.mktemp("rm-likelihood") / "adapter"
+    model = add_lora(load_base_model(str(random_model_dir), torch.device("cpu")), LoraSpec(r=4), seed=0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(out))
+    RewardModelInfo(str(random_model_dir), 64, score_mean=0.1, score_std=3.0, head="likelihood", scale=2.5).write(out)
+    return out
+
+
+def test_likelihood_head_scores_the_scaled_mean_log_probability_of_the_reply(
+    likelihood_model_dir: Path, random_model_dir: Path
+) -> None:
+    """r = s · mean over the reply's tokens and its EOS of log p(token | everything before), by hand from the
+    unmerged adapter's logits of one unpadded row at a time; the loaded (merged) model scores the same in a batch."""
+    from transformers import AutoModelForCausalLM
+
+    rm = load_reward_model(likelihood_model_dir, precision="fp32")
+    assert rm.info.head == "likelihood" and rm.info.scale == 2.5
+    scores = rm.score(PROMPTS, REPLIES, batch_size=3)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(random_model_dir), str(likelihood_model_dir))
+    for i, (prompt, reply) in enumerate(zip(PROMPTS, REPLIES, strict=True)):
+        p, c = encode_completion(rm.tokenizer, prompt, reply)
+        with torch.no_grad():
+            logits = peft.eval()(input_ids=torch.tensor([p + c])).logits[0]
+        logp = torch.log_softmax(logits[len(p) - 1 : -1], -1)[torch.arange(len(c)), torch.tensor(c)]
+        assert len(c) == len(rm.tokenizer(reply, add_special_tokens=False).input_ids) + 1  # the reply and its EOS
+        torch.testing.assert_close(scores[i], 2.5 * logp.mean(), rtol=0, atol=1e-4)
+    normalised = grade_batch(
+        rm_grader(likelihood_model_dir, normalize=True), REPLIES, [PromptItem(p, {"messages": p}) for p in PROMPTS]
+    ).rewards
+    torch.testing.assert_close(normalised, (scores - 0.1) / 3.0)
+
+
+def test_a_likelihood_reward_model_is_refused_with_the_wrong_adapter_task(
+    likelihood_model_dir: Path, reward_model_dir: Path, tmp_path: Path
+) -> None:
+    mixed = tmp_path / "mixed"
+    shutil.copytree(reward_model_dir / "adapter", mixed)  # a SEQ_CLS adapter
+    shutil.copy(likelihood_model_dir / "reward_model.json", mixed)  # that says it is a likelihood head
+    with pytest.raises(graders.GraderError, match="task CAUSAL_LM"):
+        check_reward_models(rm_grader(mixed))

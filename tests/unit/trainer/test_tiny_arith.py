@@ -18,6 +18,7 @@ from trainer.tiny_arith import (
     build_tiny_arith,
     build_tokenizer,
     dropped_carry,
+    error_kind,
     greedy_accuracy,
     prompt_text,
     split_pairs,
@@ -142,15 +143,23 @@ def test_write_arithmetic_datasets_writes_the_documented_shapes(tmp_path: Path) 
     assert message["role"] == "user"
     assert row["answer"] == answer_text(*_pair_of(message["content"]))
 
+    dropped = larger = 0
     for pref in preferences + validation_preferences:
-        assert set(pref) == {"input", "preferred_output", "non_preferred_output"}
+        assert set(pref) == {"input", "preferred_output", "non_preferred_output", "kind"}
         a, b = _pair_of(pref["input"]["messages"][0]["content"])
         (good,), (bad,) = pref["preferred_output"], pref["non_preferred_output"]
         assert good == {"role": "assistant", "content": answer_text(a, b)}
         assert bad["role"] == "assistant"
-        assert bad["content"] != good["content"] and int(bad["content"]) >= 0
-        if dropped_carry(a, b) != a + b:
-            assert bad["content"] == str(dropped_carry(a, b))
+        wrong = int(bad["content"])
+        assert bad["content"] != good["content"] and wrong >= 0
+        assert wrong == dropped_carry(a, b) or wrong - (a + b) in (*range(-9, 10), -20, -10, 10, 20)
+        assert pref["kind"] == error_kind(a + b, wrong)
+        dropped += wrong == dropped_carry(a, b)
+        larger += wrong > a + b
+    # Half the wrong answers drop the carry where that is wrong; the rest are off either way, so a reward model
+    # cannot rank by size: 350 rows, about a third larger than the right sum.
+    n = len(preferences) + len(validation_preferences)
+    assert 0.3 * n < dropped < 0.55 * n and 0.2 * n < larger < 0.45 * n, (dropped, larger, n)
 
     supervised, validation_supervised = _read_jsonl(paths["supervised"]), _read_jsonl(paths["validation_supervised"])
     assert (len(supervised), len(validation_supervised)) == (1000, 200)
@@ -161,6 +170,24 @@ def test_write_arithmetic_datasets_writes_the_documented_shapes(tmp_path: Path) 
             "content": answer_text(*_pair_of(user["content"])),
         }
     assert [_pair_of(r["messages"][0]["content"]) for r in validation_supervised] == split_pairs()[1]
+
+
+@pytest.mark.parametrize(
+    ("right", "wrong", "kind"),
+    [
+        (125, 15, "hundreds"),
+        (125, 135, "tens"),
+        (125, 124, "units"),
+        (35, 25, "tens"),
+        (99, 101, "hundreds"),
+        (9, 10, "tens"),
+        (45, 41, "units"),
+        (105, 95, "hundreds"),
+        (130, 129, "tens"),
+    ],
+)
+def test_error_kind_is_the_leftmost_wrong_place(right: int, wrong: int, kind: str) -> None:
+    assert error_kind(right, wrong) == kind
 
 
 def test_write_arithmetic_datasets_keeps_validation_pairs_out_of_training_files(tmp_path: Path) -> None:
