@@ -1282,6 +1282,15 @@ def check_item(grader: Grader, item: Mapping[str, Any]) -> str | None:
     return None
 
 
+def held_out_keys(grader: Grader) -> tuple[str, ...]:
+    """The sub-graders of a top-level `multi` that its `calculate_output` does not read: scored and reported
+    (reward/{key}/mean, val/reward/{key}/mean) but not trained on, e.g. the true answer beside a reward model."""
+    if not isinstance(grader, MultiGrader):
+        return ()
+    used = set(_formula_names(_compile_formula(grader.calculate_output)))
+    return tuple(k for k in grader.graders if k not in used)
+
+
 def model_graders(grader: Grader) -> list[tuple[str, RewardModelGrader]]:
     """(key, grader) of every reward_model leaf, keyed as `grade` keys sub_scores (`rm`, `quality.rm`)."""
     if isinstance(grader, RewardModelGrader):

@@ -26,6 +26,7 @@ from peft import PeftModel
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from trainer import graders
 from trainer import metrics as M
 from trainer.agent import AgentRollouts, episode_metrics
 from trainer.callbacks import Callback
@@ -63,6 +64,7 @@ from trainer.evaluate import (
 )
 from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
 from trainer.models import Precision, default_device, load_tokenizer, resolve_precision, trainable_parameters
+from trainer.overoptimisation import OveroptimisationWatch
 from trainer.recipes import RECIPES, Recipe
 from trainer.rl_batch import (
     Advantages,
@@ -106,6 +108,9 @@ class RLTrainer(EngineLoop):
         self.parts = Parts.of(self.recipe, self.hp)
         self.grader = spec.method.grader
         self.grader_monitor = GraderMonitor(callback, self.grader)  # grader/error_rate; fails a broken grader
+        held_out = graders.held_out_keys(self.grader)
+        self.overoptimisation = OveroptimisationWatch(held_out) if held_out else None
+        self.last_step = 0  # the step validation_metrics reports for (0 before the first)
         self._load_data()  # everything that can be wrong with the input is checked before any weight is loaded
         self.device = device or default_device()
         self.precision: Precision = resolve_precision(self.hp.precision, self.device)
@@ -202,6 +207,11 @@ class RLTrainer(EngineLoop):
             else None
         )
         self.params = trainable_parameters(self.model)  # the policy's LoRA weights
+        self._build_critic_and_engine()
+
+    def _build_critic_and_engine(self) -> None:
+        """PPO's critic where the recipe has one, then the training engine over the policy's (and critic's) weights."""
+        spec, hp = self.spec, self.hp
         self.critic = (
             build_critic(
                 self.model,
@@ -275,6 +285,7 @@ class RLTrainer(EngineLoop):
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        self.last_step = step
         lr, kl_coef = self.engine.learning_rate, self.kl_ctl.coef  # what this step trains with
         batch = self.collect()
         m: dict[str, float] = {}
@@ -291,6 +302,7 @@ class RLTrainer(EngineLoop):
             beta=self.hp.beta,
             lr=lr,
             kl_coef=kl_coef,
+            reward_clip=self.hp.reward_clip,
         )
         if self.val_items and validation_due(step, interval=self.hp.eval_interval, total_steps=self.total_steps):
             m |= self.validation_metrics()
@@ -326,6 +338,8 @@ class RLTrainer(EngineLoop):
             scores = grade_batch(self.grader, texts, items, finish_reasons(rollout))
         self.grader_monitor.observe(scores)
         shaped = scores.rewards.clone()
+        if hp.reward_clip is not None:
+            shaped = shaped.clamp(-hp.reward_clip, hp.reward_clip)
         if self.parts.overlong is not None:
             buffer, factor = self.parts.overlong
             shaped += overlong_penalty(
@@ -570,4 +584,8 @@ class RLTrainer(EngineLoop):
         out[M.VAL_REWARD_MEAN] = res.mean_reward
         for name, v in res.sub_means.items():
             out[M.reward_of(name, validation=True)] = v
+        if self.overoptimisation is not None:
+            out[M.VAL_OVEROPTIMISATION], warning = self.overoptimisation.observe(self.last_step, out)
+            if warning is not None:
+                self.cb.on_event("warn", warning, {"step": self.last_step, "metric": M.VAL_OVEROPTIMISATION})
         return out

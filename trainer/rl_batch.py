@@ -170,7 +170,14 @@ class Advantages:
 
 
 def batch_metrics(
-    batch: Batch, *, group_size: int, dynamic_sampling: bool, beta: float, lr: float, kl_coef: float
+    batch: Batch,
+    *,
+    group_size: int,
+    dynamic_sampling: bool,
+    beta: float,
+    lr: float,
+    kl_coef: float,
+    reward_clip: float | None = None,
 ) -> dict[str, float]:
     """Rewards, lengths and sampling statistics of the step's batch."""
     n, d, s = len(batch), batch.draws, batch.samples
@@ -192,6 +199,8 @@ def batch_metrics(
         m[M.SAMPLING_BATCHES] = float(d.sampling_batches)
     if beta > 0:
         m[M.KL_COEF] = kl_coef
+    if reward_clip is not None:
+        m[M.REWARD_CLIP_FRAC] = _mean((s.grader_rewards.abs() > reward_clip).float())
     m[M.TOKENS_PER_S_GENERATION] = float(lengths.sum()) / max(d.generation_s, 1e-9) if n else 0.0
     if s.episodes is not None:
         m |= episode_metrics(s.episodes)
