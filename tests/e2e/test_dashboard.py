@@ -403,6 +403,11 @@ def test_chart_plan_puts_the_vocabulary_in_its_charts_and_any_other_numeric_seri
         ["reward", [M.REWARD_MEAN]],  # reward/std is its band
         ["reward-graders", [M.reward_of("acc")]],
         ["val-reward", [M.VAL_REWARD_MEAN, M.reward_of("acc", validation=True)]],
+        ["overoptimisation", [M.VAL_OVEROPTIMISATION]],
+        [
+            "preference-accuracy",
+            [M.PREFERENCE_ACCURACY, M.VAL_PREFERENCE_ACCURACY, M.VAL_PREFERENCE_ACCURACY_OF_KIND.name("acc")],
+        ],
         [
             "episodes",
             [
@@ -432,7 +437,7 @@ def test_chart_plan_puts_the_vocabulary_in_its_charts_and_any_other_numeric_seri
     assert plan["preferred"] == preferred
     charted = {key for _, keys in preferred for key in keys} | {M.REWARD_STD}
     assert plan["other"] == [f"metric:{name}" for name in sorted(set(names) - charted)]
-    assert f"metric:{M.PREFERENCE_ACCURACY}" in plan["other"] and "metric:custom/metric" in plan["other"]
+    assert f"metric:{M.PREFERENCE_MARGIN}" in plan["other"] and "metric:custom/metric" in plan["other"]
 
 
 def test_the_create_form_offers_every_grader_type_as_a_template_the_server_checks(

@@ -22,6 +22,7 @@ import {
   LOSS_TOTAL,
   LOSS_VALUE,
   NON_SCORE_REWARD,
+  PREFERENCE_ACCURACY,
   RETURNS_MEAN,
   REWARD_MEAN,
   REWARD_OF_GRADER,
@@ -35,6 +36,9 @@ import {
   TOOL_LATENCY_OF,
   VAL_EPISODE_TOOL_CALL_RATE,
   VAL_LOSS,
+  VAL_OVEROPTIMISATION,
+  VAL_PREFERENCE_ACCURACY,
+  VAL_PREFERENCE_ACCURACY_OF_KIND,
   VAL_REWARD_MEAN,
   VAL_REWARD_OF_GRADER,
   VALUE_CLIP_FRAC,
@@ -62,6 +66,20 @@ export const PREFERRED = [
     title: "Validation reward",
     series: [{ key: VAL_REWARD_MEAN, label: "mean" }],
     family: VAL_REWARD_OF_GRADER,
+  },
+  {
+    id: "overoptimisation",
+    title: "Over-optimisation: the held-out validation's fall while the learned reward rises",
+    series: [{ key: VAL_OVEROPTIMISATION, label: "fall" }],
+  },
+  {
+    id: "preference-accuracy",
+    title: "Preference accuracy",
+    series: [
+      { key: PREFERENCE_ACCURACY, label: "train" },
+      { key: VAL_PREFERENCE_ACCURACY, label: "validation" },
+    ],
+    family: VAL_PREFERENCE_ACCURACY_OF_KIND,
   },
   {
     id: "episodes",
