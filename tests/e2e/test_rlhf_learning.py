@@ -119,3 +119,44 @@ def test_ppo_graded_only_by_the_reward_model_lifts_heldout_accuracy_with_the_tru
     assert last - base >= 0.3  # measured: see BENCHMARKS.md
     # The over-optimisation signature is measured at every validation (0 while the truth rises with the reward).
     assert all(M.VAL_OVEROPTIMISATION in r for r in rows if truth in r)
+
+
+@pytest.mark.slow
+def test_a_flawed_reward_is_caught_over_optimised_and_the_job_keeps_the_checkpoint_before_the_fall(
+    tiny_arith_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """A proxy with a flaw, as a learned reward has: right answers score 1, and so does any three-digit answer from
+    100 to 199 (the old built-in reward models' "prefer the larger sum"). PPO on it first learns to add, then to
+    answer 1xx: measured here (fp32), the proxy's validation 0.35 → 0.935 → 0.945 at steps 0, 15, 20 while the truth
+    went 0.35 → 0.86 → 0.735."""
+    right = {**TRUTH, "name": "right"}
+    big = {"type": "regex", "name": "big", "input": "{{sample.output_text}}", "pattern": "^1[0-9][0-9]$"}
+    graders = {"right": right, "big": big, "truth": TRUTH}
+    grader = {"type": "multi", "name": "flawed", "graders": graders, "calculate_output": "max(right, big)"}
+    truth = M.reward_of("truth", validation=True)
+    result = ppo(
+        tiny_arith_dir,
+        arithmetic_data,
+        tmp_path,
+        grader,
+        max_steps=30,
+        eval_interval=5,
+        keep_best=truth,
+        precision="fp32",
+    )
+    rows = [r for r in rows_of(tmp_path) if truth in r]
+    fall = max(r[M.VAL_OVEROPTIMISATION] for r in rows)
+    print("flawed reward: " + "; ".join(
+        f"step {r['step']} proxy {r[M.VAL_REWARD_MEAN]:.3f} truth {r[truth]:.3f} fall {r[M.VAL_OVEROPTIMISATION]:.3f}"
+        for r in rows
+    ))  # fmt: skip
+    assert fall >= 0.05
+    events = [json.loads(ln) for ln in (tmp_path / "events.jsonl").read_text().splitlines()]
+    warnings = [e for e in events if e["level"] == "warn" and "over-optimisation" in e["message"]]
+    assert len(warnings) >= 1 and "'truth' fell" in warnings[0]["message"]
+    # The signature at its first warning: the truth below its best by DROP or more, the proxy above its value then.
+    first = next(r for r in rows if r[M.VAL_OVEROPTIMISATION] >= 0.05)
+    best_before = max((r for r in rows if r["step"] < first["step"]), key=lambda r: r[truth])
+    assert first[truth] <= best_before[truth] - 0.05 and first[M.VAL_REWARD_MEAN] > best_before[M.VAL_REWARD_MEAN]
+    assert result.best_step == max(rows, key=lambda r: r[truth])["step"] != 30
+    assert result.best_step is not None and result.best_step < first["step"]
