@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--keep-best", action="store_true", help="PPO on the reward model keeps the best true validation")
+    ap.add_argument("--raw", action="store_true", help="the reward model's raw score (no normalize)")
     ap.add_argument("--skip-truth", action="store_true", help="no PPO on the true grader")
     ap.add_argument("--skip-ppo", action="store_true", help="reward models only")
     ap.add_argument("--rm-hp", type=json.loads, default={}, help="reward-model hyperparameters (JSON), default none")
@@ -149,7 +150,7 @@ def main() -> None:
                         model, data, Path(tmp) / f"t-{seed}", seed, ACCURACY, args.steps, args.ppo_hp
                     )
                     print(f"seed {seed} PPO on the answer: {json.dumps(row['ppo_truth'])}", flush=True)
-                rm = {"type": "reward_model", "name": "rm", "model": str(rm_dir), "normalize": True}
+                rm = {"type": "reward_model", "name": "rm", "model": str(rm_dir), "normalize": not args.raw}
                 grader = {
                     "type": "multi",
                     "name": "rlhf",

@@ -394,3 +394,21 @@ def test_a_completion_cut_at_the_token_limit_reaches_the_python_grader_as_finish
     rows = read_metrics(tmp_path)
     trained = [r for r in rows if r["step"] == 1]
     assert trained and trained[0][M.REWARD_MEAN] == 1.0 and trained[0][M.reward_of("cut")] == 1.0
+
+
+def test_reward_clip_clips_the_reward_trained_on_and_reports_the_fraction(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """GRPO's advantages recomputed by hand from the logged grader rewards clipped to ±0.3 (the group's mean and
+    unbiased std, eps 1e-4) equal the logged ones; reward/clip_frac is the share of rewards above 0.3."""
+    spec = make_spec(random_model_dir, arithmetic_data, max_steps=1, rollouts_logged=16, reward_clip=0.3)
+    train(parse_spec(spec), output_dir=tmp_path, callback=JsonlFiles(tmp_path))
+    rows = [json.loads(ln) for ln in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    rewards = torch.tensor([r["reward"] for r in rows])
+    assert len(rows) == 16 and (rewards > 0.3).any() and (rewards < 0.3).any()  # both sides of the clip occur
+    clipped = rewards.clamp(-0.3, 0.3).view(4, 4)
+    expected = (clipped - clipped.mean(1, keepdim=True)) / (clipped.std(1, keepdim=True) + 1e-4)
+    torch.testing.assert_close(torch.tensor([r["advantage"] for r in rows]), expected.flatten(), rtol=0, atol=1e-5)
+    step = read_metrics(tmp_path)[-1]
+    assert step[M.REWARD_CLIP_FRAC] == pytest.approx(float((rewards > 0.3).float().mean()))
+    assert step[M.REWARD_MEAN] == pytest.approx(float(rewards.mean()))  # the grader's reward, as reported
