@@ -222,17 +222,27 @@ def run_steps(
                 break
     adapter = loop.out / "adapter"
     shutil.rmtree(adapter, ignore_errors=True)
-    shutil.copytree(_result_adapter(loop, best, step, last_metrics), adapter)
+    kept, kept_step = _result_adapter(loop, best, step, last_metrics)
+    shutil.copytree(kept, adapter)
     cb.on_event("info", "training finished", {"step": step})
-    return RunResult(step, loop.total_steps, False, adapter, last_metrics, best_step=best.step if best else None)
+    return RunResult(step, loop.total_steps, False, adapter, last_metrics, best_step=kept_step)
 
 
-def _result_adapter(loop: StepLoop, best: BestCheckpoint | None, step: int, last: dict[str, float]) -> Path:
-    """The adapter the run ends with: the last checkpoint's, or the best one's (an event says which and why)."""
+def _result_adapter(
+    loop: StepLoop, best: BestCheckpoint | None, step: int, last: dict[str, float]
+) -> tuple[Path, int | None]:
+    """(the adapter the run ends with, the step it is of when keep_best chose it): the last checkpoint's, or the best
+    one's (an event says which and why)."""
     final = ckpt.latest_checkpoint(loop.out)
     assert final is not None and final.step == step
-    if best is None or best.step is None or best.step == step:
-        return final.adapter_dir
+    chosen = (
+        next((c.adapter_dir for c in ckpt.list_checkpoints(loop.out) if c.step == best.step), None) if best else None
+    )
+    if best is not None and best.step == 0:
+        chosen = loop.out / INITIAL_ADAPTER
+    if best is None or best.step is None or best.step == step or chosen is None or not chosen.exists():
+        # (a run resumed on another machine has only the checkpoints it brought and those it wrote since)
+        return final.adapter_dir, (step if best is not None and best.step is not None else None)
     assert best.value is not None
     where = "the base model (no step improved on it)" if best.step == 0 else f"step {best.step}"
     loop.cb.on_event(
@@ -241,11 +251,7 @@ def _result_adapter(loop: StepLoop, best: BestCheckpoint | None, step: int, last
         f"{last.get(best.metric, float('nan')):.4g} at the last validation",
         {"metric": best.metric, "best_step": best.step, "best_value": best.value, "last_step": step},
     )
-    if best.step == 0:
-        return loop.out / INITIAL_ADAPTER
-    chosen = next((c for c in ckpt.list_checkpoints(loop.out) if c.step == best.step), None)
-    assert chosen is not None, f"no checkpoint of the best step {best.step}"
-    return chosen.adapter_dir
+    return chosen, best.step
 
 
 def validation_due(step: int, *, interval: int, total_steps: int) -> bool:

@@ -241,3 +241,14 @@ def test_the_readme_ensemble_formula_is_the_mean_less_half_the_standard_deviatio
         mean = sum(scores) / 3
         std = (sum((s - mean) ** 2 for s in scores) / 3) ** 0.5
         assert result.score == pytest.approx(mean - 0.5 * std)
+
+
+def test_a_best_checkpoint_that_is_not_on_this_machine_falls_back_to_the_last(tmp_path: Path) -> None:
+    """A run resumed elsewhere may lack the best step's adapter (here the initial one): the last step's is kept."""
+    loop = ScriptedLoop(tmp_path, {0: 0.5, 2: 0.1, 4: 0.2}, total=4, every=2)
+    loop.save_adapter = lambda path: None  # type: ignore[method-assign]  # the initial adapter never written
+    result = run_steps(
+        loop, resume=False, validate_first=True, checkpoint_interval=5, best=BestCheckpoint(METRIC, None)
+    )  # type: ignore[arg-type]
+    assert result.best_step == 4 and (tmp_path / "adapter" / "step.txt").read_text() == "4"
+    assert not any("best checkpoint" in m for _, m, _ in loop.cb.events)
