@@ -141,6 +141,20 @@ class BestCheckpoint:
             return True
         return value < self.value if self.minimise else value > self.value
 
+    def observe(self, step: int, metrics: dict[str, float]) -> bool:
+        """Take a step's metrics; True when they hold a new best (whose adapter must then be kept)."""
+        if self.metric not in metrics:
+            return False
+        if self.better(metrics[self.metric]):
+            self.step, self.value, self.stale = step, metrics[self.metric], 0
+            return True
+        self.stale += 1
+        return False
+
+    def exhausted(self, step: int, total_steps: int) -> bool:
+        """Whether the patience ran out before the last step."""
+        return self.patience is not None and self.stale >= self.patience and step < total_steps
+
     def load(self, out: Path) -> None:
         path = out / self.FILE
         if path.exists():
@@ -166,27 +180,10 @@ def run_steps(
     where the validation metric was best (and the run ends early after ``best.patience`` validations without a new
     best)."""
     cb = loop.cb
-    start = 0
-    latest = ckpt.latest_checkpoint(loop.out) if resume else None
-    if latest is not None:
-        start = loop.load_state(ckpt.load_state(latest))
-        cb.on_event("info", f"resumed from checkpoint at step {start}", {"step": start})
-    else:
-        cb.on_event(
-            "info",
-            f"training {loop.spec.method.type} on {loop.spec.model} for {loop.total_steps} steps",
-            {"total_steps": loop.total_steps, "precision": loop.precision},
-        )
-    if best is not None and latest is not None:
-        best.load(loop.out)
+    start = _start(loop, resume=resume, best=best)
     last_metrics: dict[str, float] = {}
     if start == 0 and validate_first:
-        first = loop.validation_metrics()
-        cb.on_metrics(0, first)  # the starting point of the validation curve
-        if best is not None and best.metric in first:
-            loop.save_adapter(loop.out / INITIAL_ADAPTER)
-            best.step, best.value, best.stale = 0, first[best.metric], 0
-            best.write(loop.out)
+        _validate_first(loop, best)
     last_saved = start
     step = start
     for step in range(start + 1, loop.total_steps + 1):
@@ -197,20 +194,13 @@ def run_steps(
             cb.on_event("info", f"stopped at step {step}", {"step": step})
             return RunResult(step, loop.total_steps, True, None, last_metrics)
         last_metrics = loop.step(step)
-        due = step % checkpoint_interval == 0 or step == loop.total_steps
-        if best is not None and best.metric in last_metrics:
-            value = last_metrics[best.metric]
-            if best.better(value):
-                best.step, best.value, best.stale = step, value, 0
-                due = True  # the best step's adapter must exist
-            else:
-                best.stale += 1
-        if due:
+        new_best = best is not None and best.observe(step, last_metrics)  # its adapter must exist
+        if new_best or step % checkpoint_interval == 0 or step == loop.total_steps:
             loop.save(step, last_metrics)
             last_saved = step
         if best is not None:
             best.write(loop.out)  # after the checkpoint it may name
-            if best.patience is not None and best.stale >= best.patience and step < loop.total_steps:
+            if best.exhausted(step, loop.total_steps):
                 cb.on_event(
                     "info",
                     f"early stopping at step {step}: {best.metric} has not improved on {best.value:.4g} (step "
@@ -226,6 +216,32 @@ def run_steps(
     shutil.copytree(kept, adapter)
     cb.on_event("info", "training finished", {"step": step})
     return RunResult(step, loop.total_steps, False, adapter, last_metrics, best_step=kept_step)
+
+
+def _start(loop: StepLoop, *, resume: bool, best: BestCheckpoint | None) -> int:
+    """The step to continue from (0, or the latest checkpoint's when resuming), said in an event."""
+    latest = ckpt.latest_checkpoint(loop.out) if resume else None
+    if latest is None:
+        loop.cb.on_event(
+            "info",
+            f"training {loop.spec.method.type} on {loop.spec.model} for {loop.total_steps} steps",
+            {"total_steps": loop.total_steps, "precision": loop.precision},
+        )
+        return 0
+    start = loop.load_state(ckpt.load_state(latest))
+    loop.cb.on_event("info", f"resumed from checkpoint at step {start}", {"step": start})
+    if best is not None:
+        best.load(loop.out)
+    return start
+
+
+def _validate_first(loop: StepLoop, best: BestCheckpoint | None) -> None:
+    """The starting point of the validation curve; with ``best``, the base model as the first candidate."""
+    first = loop.validation_metrics()
+    loop.cb.on_metrics(0, first)
+    if best is not None and best.observe(0, first):
+        loop.save_adapter(loop.out / INITIAL_ADAPTER)
+        best.write(loop.out)
 
 
 def _result_adapter(
