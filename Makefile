@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,train]'
+	# tinker-cookbook 0.6.1 (the Tinker API's end-to-end tests run its recipes) requires tml-renderers>=0.4.1, which
+	# the package index does not have; it imports it only for Inkling and Kimi models. Its other requirements are in
+	# the dev extra, so it is installed without them.
+	$(PY) -m pip install -q -c constraints.txt --no-deps tinker-cookbook==0.6.1
 	touch $(STAMP)
 
 demo: $(STAMP)
