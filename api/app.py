@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors
 from api.guards import RequestGuard
-from api.routes import dashboard, docs, files, graders, health, inference, jobs, models, webhooks
+from api.routes import dashboard, docs, files, graders, health, inference, jobs, models, tinker, webhooks
 from api.services import jobs as jobs_service
 from api.settings import Settings, get_settings
 
@@ -125,6 +125,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         inference.router,
         health.router,
         webhooks.router,
+        tinker.router,
     )
     for router in routers:
         app.include_router(router)

@@ -8,7 +8,7 @@ seven of them. Only the database work itself runs in threads.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, nullcontext
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from functools import lru_cache
 from typing import Annotated, Any, TypeVar
 
@@ -83,6 +83,36 @@ async def get_tenant(request: Request, settings: SettingsDep) -> Caller:
 
 TenantDep = Annotated[Caller, Depends(get_tenant)]
 
+TINKER_KEY_PREFIX = "tml-"
+"""The Tinker SDK refuses a key that does not start with this: a tenant's Tinker key is ``tml-`` + its Proxima key."""
+
+
+async def get_tinker_tenant(request: Request, settings: SettingsDep) -> Caller:
+    """The tenant of a Tinker SDK request: ``X-API-Key: tml-<Proxima key>`` (the SDK sends no Authorization)."""
+    header = request.headers.get("x-api-key", "").strip()
+    if not header:
+        raise Unauthorized("Missing API key: send 'X-API-Key: tml-<key>'", code="missing_api_key")
+    key = header.removeprefix(TINKER_KEY_PREFIX)
+    tenant = cached_tenant(settings.db_url, key) if key != header else None
+    if tenant is None and key != header:
+        async with session_slot(settings.db_url):
+            tenant = await run_in_threadpool(_tenant_for_key, settings.db_url, key)
+    if tenant is None:
+        raise Unauthorized("Incorrect API key provided: a Tinker key is 'tml-' + a Proxima key", code="invalid_api_key")
+    return tenant
+
+
+TinkerTenantDep = Annotated[Caller, Depends(get_tinker_tenant)]
+
+
+async def get_tinker_session(settings: SettingsDep, tenant: TinkerTenantDep) -> AsyncIterator[Session]:
+    """:func:`get_session` for the Tinker SDK's requests (their key is ``X-API-Key``)."""
+    async with _request_session(settings, tenant) as session:
+        yield session
+
+
+TinkerSessionDep = Annotated[Session, Depends(get_tinker_session, scope="function")]
+
 
 async def get_session(settings: SettingsDep, tenant: TenantDep) -> AsyncIterator[Session]:
     """One session per authenticated request, committed (or rolled back) and closed at the request boundary, within
@@ -94,6 +124,12 @@ async def get_session(settings: SettingsDep, tenant: TenantDep) -> AsyncIterator
 
     A tenant deleted while its request ran (after the key was checked) makes the request's writes fail on their
     foreign key: that is a 401, as the same request a moment later would get, not a 500."""
+    async with _request_session(settings, tenant) as session:
+        yield session
+
+
+@asynccontextmanager
+async def _request_session(settings: Settings, tenant: Caller) -> AsyncIterator[Session]:
     async with session_slot(settings.db_url):
         scope = session_scope(settings.db_url)
         session = scope.__enter__()  # a Session object: no I/O before its first query

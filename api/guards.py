@@ -23,13 +23,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.deps import get_tenant
+from api.deps import get_tenant, get_tinker_tenant
 from api.errors import error_json, error_response
 from api.settings import Settings
 
 # Multipart framing around the uploaded file: boundaries, part headers and the `purpose` field.
 MULTIPART_SLACK_BYTES = 16 * 1024
 UPLOAD_PATH = "/v1/files"
+TINKER_PATH = "/api/v1/"  # the Tinker SDK's requests: `X-API-Key` and a limit of their own
 
 
 def _text(raw: bytes) -> str | None:
@@ -90,13 +91,15 @@ class RequestGuard:
         if not has_body:
             await self.app(scope, receive, send)
             return
-        if scope["path"].startswith("/v1/"):
-            refusal = await self._auth_refusal(scope)
+        tinker = scope["path"].startswith(TINKER_PATH)
+        if scope["path"].startswith("/v1/") or tinker:
+            refusal = await self._auth_refusal(scope, tinker=tinker)
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
         upload = scope["method"] == "POST" and scope["path"].rstrip("/") == UPLOAD_PATH
         limit = self.settings.max_upload_bytes + MULTIPART_SLACK_BYTES if upload else self.settings.max_request_bytes
+        limit = self.settings.tinker_max_request_bytes if tinker else limit
         if length is not None and length.strip().isdigit() and int(length) > limit:
             await self._too_large(upload)(scope, receive, send)
             return
@@ -115,10 +118,11 @@ class RequestGuard:
             return _refusal(400, f"{what}: must be UTF-8 text without NUL characters", param=name)
         return None
 
-    async def _auth_refusal(self, scope: Scope) -> Response | None:
+    async def _auth_refusal(self, scope: Scope, *, tinker: bool) -> Response | None:
         request = Request(scope)  # headers only: no receive channel, so nothing here can read the body
+        authenticate = get_tinker_tenant if tinker else get_tenant
         try:
-            scope.setdefault("state", {})["tenant"] = await get_tenant(request, self.settings)
+            scope.setdefault("state", {})["tenant"] = await authenticate(request, self.settings)
         except Exception as err:
             response = error_response(request, err)
             if response is None:

@@ -52,3 +52,18 @@ def webhook_event_id() -> str:
 def webhook_delivery_id() -> str:
     """One attempt at delivering an event to an endpoint (a line of the endpoint's delivery log)."""
     return f"whdel_{_token()}"
+
+
+def tinker_session_id() -> str:
+    """A Tinker client session (the SDK derives its training runs' ids from it: ``<id>:train:<n>``)."""
+    return f"sess-{_token(20)}"
+
+
+def tinker_request_id() -> str:
+    """A Tinker request, the handle of its future."""
+    return f"req-{_token()}"
+
+
+def download_token() -> str:
+    """The capability in an exported weights' download URL."""
+    return _token(40)

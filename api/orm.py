@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Dialect, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, Dialect, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -216,3 +216,127 @@ class WebhookAttempt(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     outcome: Mapped[str] = mapped_column(String(16))  # delivered | retrying | failed (given up)
     next_retry_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+# -- the Tinker-compatible API (issue 17): client sessions, training sessions (leased like jobs), their requests -------
+
+
+class TinkerClientSession(Base):
+    """The SDK's ``ServiceClient`` session: created once per client, kept alive by heartbeats, finished by
+    ``close()``. It groups the training sessions and samplers the client made."""
+
+    __tablename__ = "tinker_client_sessions"
+    __table_args__ = (Index("ix_tinker_client_sessions_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    sdk_version: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    last_heartbeat_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class TrainingSession(Base):
+    """A model held by one worker for many requests: a training session (``<client session>:train:<n>``, the SDK's
+    model id) or a sampler of a base model or a saved adapter (``…:sample:<n>``). Leased like a job: one owner at a
+    time, renewed while it serves; an expired lease makes it claimable, and the next owner continues from
+    ``saved_state_key`` (the last state saved: after every optimiser step, at an idle unload, or an explicit save)."""
+
+    __tablename__ = "training_sessions"
+    __table_args__ = (
+        Index("ix_training_sessions_tenant_created", "tenant_id", "created_at"),
+        Index("ix_training_sessions_client", "client_session_id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(160), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    client_session_id: Mapped[str] = mapped_column(ForeignKey("tinker_client_sessions.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16))  # training | sampling
+    base_model: Mapped[str] = mapped_column(String(256))
+    lora: Mapped[dict[str, Any]] = mapped_column(JSON)  # rank, seed, train_mlp, train_attn, train_unembed
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # What a worker loads before serving: a saved state (a folder in the artifact store), with or without its
+    # optimiser state; none: a fresh adapter.
+    saved_state_key: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    saved_state_optimizer: Mapped[bool] = mapped_column(Boolean, default=True)
+    saved_steps: Mapped[int] = mapped_column(Integer, default=0)  # optimiser steps in the saved state
+    optimizer_steps: Mapped[int] = mapped_column(Integer, default=0)
+    next_seq_id: Mapped[int] = mapped_column(Integer, default=1)  # the SDK's per-model order: the next to run
+    request_count: Mapped[int] = mapped_column(Integer, default=0)
+    last_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    restores: Mapped[int] = mapped_column(Integer, default=0)  # times it continued from a saved state
+    loaded_on: Mapped[str | None] = mapped_column(String(128), nullable=True)  # the worker holding it in memory
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    last_request_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    closed_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class Sampler(Base):
+    """The SDK's sampling session: which weights it samples (a training session's sampler snapshot, or the base
+    model) and the training session that serves its requests."""
+
+    __tablename__ = "tinker_samplers"
+    __table_args__ = (Index("ix_tinker_samplers_serving", "serving_id"),)
+
+    id: Mapped[str] = mapped_column(String(160), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    client_session_id: Mapped[str] = mapped_column(ForeignKey("tinker_client_sessions.id", ondelete="CASCADE"))
+    serving_id: Mapped[str] = mapped_column(ForeignKey("training_sessions.id", ondelete="CASCADE"))
+    base_model: Mapped[str] = mapped_column(String(256))
+    model_path: Mapped[str | None] = mapped_column(String(512), nullable=True)  # tinker://…/sampler_weights/…
+    weights_key: Mapped[str | None] = mapped_column(String(512), nullable=True)  # the adapter's store folder
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class SessionRequest(Base):
+    """One request of the protocol (a future): queued by the API, run in order by the worker that holds its
+    session, its result (JSON or protobuf bytes) or error kept for the client's polls."""
+
+    __tablename__ = "session_requests"
+    __table_args__ = (
+        Index("ix_session_requests_session_status", "session_id", "status", "seq"),
+        Index("ix_session_requests_dedupe", "dedupe_key", unique=True),
+    )
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    session_id: Mapped[str] = mapped_column(ForeignKey("training_sessions.id", ondelete="CASCADE"))
+    sampler_id: Mapped[str | None] = mapped_column(String(160), nullable=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the SDK's order (training requests)
+    dedupe_key: Mapped[str] = mapped_column(String(256))  # a resent request is the same request
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | running | done | failed
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    result_format: Mapped[str | None] = mapped_column(String(8), nullable=True)  # json | proto
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # {"error", "category"}
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class SessionCheckpoint(Base):
+    """A saved state, sampler weights or exported weights of a training session (``tinker://<id>/<kind>/<name>``)."""
+
+    __tablename__ = "session_checkpoints"
+    __table_args__ = (Index("ix_session_checkpoints_path", "session_id", "kind", "name", unique=True),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    session_id: Mapped[str] = mapped_column(ForeignKey("training_sessions.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(24))  # weights | sampler_weights | external_weights
+    name: Mapped[str] = mapped_column(String(256))
+    storage_key: Mapped[str] = mapped_column(String(512))
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    optimizer_steps: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # None: kept until deleted
+    # Exported weights (``external_weights``) are fetched by a plain GET of ``/api/v1/weights/<token>/<file>``, as
+    # the SDK's download does: the token is the capability, valid until ``expires_at``.
+    download_token: Mapped[str | None] = mapped_column(String(64), nullable=True, unique=True)

@@ -117,6 +117,29 @@ class Settings(BaseSettings):
         description="of `proxima inference`'s models (auto: bf16 where matmuls run fast in it, as the trainer picks); "
         "fp32 gives the greedy completions of a job trained in fp32 exactly",
     )
+    # --- the Tinker-compatible API (issue 17): training sessions held by workers ---
+    tinker_max_request_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="the largest body of a Tinker request (`/api/v1/`: forward_backward carries token batches)",
+    )
+    worker_sessions: int = Field(
+        1, ge=0, le=64, description="Tinker training sessions a worker holds at once, beside its jobs (`--concurrency`)"
+    )
+    session_idle_s: float = Field(
+        300.0,
+        gt=0,
+        description="a session without requests this long is saved and unloaded; its next request reloads it",
+    )
+    session_autosave_steps: int = Field(
+        1,
+        ge=1,
+        description="a session's state is saved to the artifact store every this many optimiser steps: what a session "
+        "continues from when its worker dies",
+    )
+    session_poll_s: float = Field(
+        20.0, gt=0, le=40, description="how long `retrieve_future` holds a poll for a result before 'try again'"
+    )
     # --- webhooks (issue 14) ---
     # An endpoint's URL obeys the endpoint graders' policy (grader_url_schemes, grader_url_allow_networks,
     # grader_url_deny_networks), checked when it is set and again, pinned to the checked address, at every delivery.

@@ -1,0 +1,217 @@
+"""The Tinker-compatible API without a worker (issue 17): the official SDK's client set-up, sessions and training
+sessions as rows, futures that wait, tenancy, and bad input. Requests that need a model stay pending here; the
+worker's side is tests/e2e/test_tinker_sessions.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.integration.conftest import Tenant, serve
+
+POLL_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def tinker_url(settings: Any) -> Iterator[str]:
+    """The app with short polls (a pending future answers 'try again' after half a second)."""
+    from api.app import create_app
+
+    with serve(create_app(settings.model_copy(update={"session_poll_s": POLL_S}))) as url:
+        yield url
+
+
+def raw(url: str, key: str) -> httpx.Client:
+    return httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": f"tml-{key}"}, timeout=30)
+
+
+def service_client(url: str, tenant: Tenant) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=url, api_key=f"tml-{tenant.key}")
+
+
+def new_session(client: httpx.Client) -> str:
+    r = client.post("/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
+    assert r.status_code == 200, r.text
+    return str(r.json()["session_id"])
+
+
+def create_model(client: httpx.Client, session_id: str, seq: int = 0, **body: Any) -> httpx.Response:
+    payload = {
+        "session_id": session_id,
+        "model_seq_id": seq,
+        "base_model": "tiny-arith",
+        "lora_config": {"rank": 8},
+        "type": "create_model",
+    } | body
+    return client.post("/create_model", json=payload)
+
+
+def forward_backward_body(model_id: str, seq_id: int) -> bytes:
+    """A forward_backward body exactly as the SDK writes it."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto  # type: ignore[attr-defined]
+
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 1], "weights": [0.0, 1.0, 1.0]},
+    )
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    return bytes(forward_backward_request_to_proto(request).SerializeToString())
+
+
+class TestClientSetUp:
+    def test_the_official_sdk_creates_a_training_client_whose_model_id_it_derives_itself(
+        self, tinker_url: str, tenant_a: Tenant
+    ) -> None:
+        client = service_client(tinker_url, tenant_a)
+        training = client.create_lora_training_client(base_model="tiny-arith", rank=8).result()
+        info = training.get_info()
+        session_id = training.model_id.split(":train:")[0]
+        assert training.model_id == f"{session_id}:train:0"
+        assert info.model_data.model_name == "tiny-arith" and info.lora_rank == 8
+        capabilities = client.create_rest_client().get_server_capabilities().result()
+        assert [m.model_name for m in capabilities.supported_models] == ["tiny-arith"]
+
+    def test_a_base_model_not_offered_is_a_400_naming_it(self, tinker_url: str, tenant_a: Tenant) -> None:
+        client = service_client(tinker_url, tenant_a)
+        with pytest.raises(tinker.BadRequestError, match="base_model: 'gpt-9' is not offered"):
+            client.create_lora_training_client(base_model="gpt-9", rank=8).result()
+
+    def test_a_wrong_key_is_a_401_and_a_key_without_the_prefix_too(self, tinker_url: str, tenant_a: Tenant) -> None:
+        with raw(tinker_url, "sk-prx-wrong") as client:
+            assert client.post("/client/config", json={"sdk_version": "0.38.0"}).status_code == 401
+        with httpx.Client(base_url=f"{tinker_url}/api/v1", headers={"X-API-Key": tenant_a.key}) as client:
+            assert client.post("/create_session", json={}).status_code == 401
+        with httpx.Client(base_url=f"{tinker_url}/api/v1") as client:
+            assert client.post("/create_session", json={}).status_code == 401
+
+    def test_a_heartbeat_keeps_a_session_and_a_finished_one_answers_410(
+        self, tinker_url: str, tenant_a: Tenant
+    ) -> None:
+        with raw(tinker_url, tenant_a.key) as client:
+            sid = new_session(client)
+            assert client.post("/session_heartbeat", json={"session_id": sid}).status_code == 200
+            assert client.post(f"/sessions/{sid}/finish", json={"reason": {"type": "success"}}).status_code == 200
+            assert client.post("/session_heartbeat", json={"session_id": sid}).status_code == 410
+
+
+class TestTenancy:
+    def test_another_tenants_session_model_and_futures_answer_404(
+        self, tinker_url: str, tenant_a: Tenant, tenant_b: Tenant
+    ) -> None:
+        with raw(tinker_url, tenant_a.key) as a, raw(tinker_url, tenant_b.key) as b:
+            sid = new_session(a)
+            created = create_model(a, sid).json()
+            model_id, request_id = created["model_id"], created["request_id"]
+            assert b.post("/get_info", json={"model_id": model_id}).status_code == 404
+            assert b.post("/retrieve_future", json={"request_id": request_id}).status_code == 404
+            assert b.post("/session_heartbeat", json={"session_id": sid}).status_code == 404
+            assert create_model(b, sid, seq=1).status_code == 404
+            r = b.post("/forward_backward", content=forward_backward_body(model_id, 1))
+            assert r.status_code == 404
+            assert b.get(f"/training_runs/{model_id}").status_code == 404
+            assert a.get(f"/training_runs/{model_id}").status_code == 200
+        with pytest.raises(tinker.NotFoundError):
+            service_client(tinker_url, tenant_b).create_rest_client().get_training_run(model_id).result()
+
+
+class TestFutures:
+    def test_a_future_without_a_worker_is_held_then_answered_408_try_again(
+        self, tinker_url: str, tenant_a: Tenant
+    ) -> None:
+        with raw(tinker_url, tenant_a.key) as client:
+            model_id = create_model(client, new_session(client)).json()["model_id"]
+            future = client.post("/forward_backward", content=forward_backward_body(model_id, 1)).json()
+            start = time.monotonic()
+            r = client.post("/retrieve_future", json={"request_id": future["request_id"]})
+            assert r.status_code == 408 and r.json()["type"] == "try_again"
+            assert time.monotonic() - start >= POLL_S * 0.9
+
+    def test_a_resent_request_is_the_same_request(self, tinker_url: str, tenant_a: Tenant) -> None:
+        with raw(tinker_url, tenant_a.key) as client:
+            model_id = create_model(client, new_session(client)).json()["model_id"]
+            body = forward_backward_body(model_id, 1)
+            first, second = (client.post("/forward_backward", content=body).json() for _ in range(2))
+            assert first["request_id"] == second["request_id"]
+            step = {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}}
+            assert client.post("/optim_step", json=step).json() == client.post("/optim_step", json=step).json()
+
+    def test_create_model_completes_at_once_and_unknown_futures_are_404(
+        self, tinker_url: str, tenant_a: Tenant
+    ) -> None:
+        with raw(tinker_url, tenant_a.key) as client:
+            created = create_model(client, new_session(client)).json()
+            r = client.post("/retrieve_future", json={"request_id": created["request_id"]})
+            assert r.status_code == 200 and r.json() == {"model_id": created["model_id"], "type": "create_model"}
+            assert client.post("/retrieve_future", json={"request_id": "req-nope"}).status_code == 404
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        ("path", "body", "param"),
+        [
+            ("/create_model", {"model_seq_id": 0, "base_model": "tiny-arith"}, "session_id"),
+            ("/optim_step", {"model_id": "x"}, "seq_id"),
+            ("/asample", {"sampling_session_id": "x", "seq_id": 0}, "prompt"),
+            ("/save_weights", {"model_id": "x"}, "seq_id"),
+            ("/retrieve_future", {}, "request_id"),
+        ],
+    )
+    def test_a_missing_field_is_a_400_naming_it(
+        self, tinker_url: str, tenant_a: Tenant, path: str, body: dict[str, Any], param: str
+    ) -> None:
+        with raw(tinker_url, tenant_a.key) as client:
+            r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+    def test_a_body_that_is_not_a_protobuf_is_a_400(self, tinker_url: str, tenant_a: Tenant) -> None:
+        with raw(tinker_url, tenant_a.key) as client:
+            r = client.post("/forward_backward", content=b"\xff\xff\xff not a protobuf")
+        assert r.status_code == 400, r.text
+
+    def test_a_bad_checkpoint_name_and_path_are_400s(self, tinker_url: str, tenant_a: Tenant) -> None:
+        with raw(tinker_url, tenant_a.key) as client:
+            sid = new_session(client)
+            model_id = create_model(client, sid).json()["model_id"]
+            r = client.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "a/b"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "path"
+            r = client.post("/load_weights", json={"model_id": model_id, "seq_id": 1, "path": "s3://x"})
+            assert r.status_code == 400 and "tinker://" in r.json()["error"]["message"]
+            r = client.post(
+                "/create_sampling_session",
+                json={"session_id": sid, "sampling_session_seq_id": 0, "model_path": f"tinker://{model_id}/weights/x"},
+            )
+            assert r.status_code == 400
+
+    def test_a_forward_backward_bigger_than_the_json_limit_is_accepted(self, tinker_url: str, tenant_a: Tenant) -> None:
+        """The SDK sends up to ~5 MB per forward_backward: the Tinker routes have their own body limit."""
+        from tinker.proto.request_conv import forward_backward_request_to_proto  # type: ignore[attr-defined]
+
+        with raw(tinker_url, tenant_a.key) as client:
+            model_id = create_model(client, new_session(client)).json()["model_id"]
+            n = 2000
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints([5] * n),
+                loss_fn_inputs={"target_tokens": [6] * n, "weights": [1.0] * n},
+            )
+            request = types.ForwardBackwardRequest(
+                forward_backward_input=types.ForwardBackwardInput(data=[datum] * 40, loss_fn="cross_entropy"),
+                model_id=model_id,
+                seq_id=1,
+            )
+            body = bytes(forward_backward_request_to_proto(request).SerializeToString())
+            assert len(body) > 1024 * 1024
+            r = client.post("/forward_backward", content=body)
+        assert r.status_code == 200, r.text
+        assert json.loads(r.text)["model_id"] == model_id
