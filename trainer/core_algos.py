@@ -350,6 +350,73 @@ def policy_loss_sequence_clipped(
     )
 
 
+def _zero_outside(x: Tensor, mask: Tensor) -> Tensor:
+    """x where mask = 1, else 0, so that a NaN/inf on a masked position reaches neither the loss nor a gradient."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+@POLICY_LOSSES.register("importance_sampling")
+def policy_loss_importance_sampling(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, opts: ClipOptions
+) -> PolicyLossOutput:
+    """REINFORCE with the sampler's importance weight, unclipped: L_t = −ρ_t·A_t, ρ_t = π/π_old (Tinker's
+    ``importance_sampling``, tinker-docs "Loss functions"; its value is the IS estimate of −E_q[ρA], its gradient
+    −ρ·A·∇log π, the policy gradient corrected for the sampler/learner mismatch).
+
+    logp, old_logp, mask [B, T]; advantages [B] or [B, T]. ``opts`` is unused (nothing is clipped; the clip
+    indicators are all False). log ρ is clamped to ±20 before exp, as for ``clipped``.
+    """
+    adv = advantages.unsqueeze(-1).expand_as(logp) if advantages.dim() == 1 else advantages
+    ratio = torch.exp((_zero_outside(logp, mask) - _zero_outside(old_logp, mask)).clamp(-20.0, 20.0))
+    none = torch.zeros_like(mask, dtype=torch.bool)
+    return PolicyLossOutput(_zero_outside(-_zero_outside(adv, mask) * ratio, mask), ratio, none, none, none)
+
+
+@POLICY_LOSSES.register("cispo")
+def policy_loss_cispo(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, opts: ClipOptions
+) -> PolicyLossOutput:
+    """CISPO: the clipped importance weight as a constant coefficient of the log-likelihood,
+    L_t = −sg(clip(ρ_t, 1−ε_low, 1+ε_high))·A_t·log π_t (MiniMax-M1, arXiv 2506.13585, eq. 4; Tinker's ``cispo``).
+
+    Unlike the PPO surrogate no token loses its gradient: a clipped weight only caps it. logp, old_logp, mask
+    [B, T]; advantages [B] or [B, T]. ``clipped_low`` / ``clipped_high`` mark the tokens whose weight was capped
+    (either sign of A); ``clipped_dual`` is all False. log ρ is clamped to ±20 before exp.
+    """
+    adv = advantages.unsqueeze(-1).expand_as(logp) if advantages.dim() == 1 else advantages
+    safe_logp = _zero_outside(logp, mask)
+    ratio = torch.exp((safe_logp - _zero_outside(old_logp, mask)).clamp(-20.0, 20.0)).detach()
+    weight = ratio.clamp(1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high)
+    loss = -weight * _zero_outside(adv, mask) * safe_logp
+    m = mask.bool()
+    low, high = (ratio < 1.0 - opts.epsilon_low) & m, (ratio > 1.0 + opts.epsilon_high) & m
+    return PolicyLossOutput(_zero_outside(loss, mask), ratio, low, high, torch.zeros_like(m))
+
+
+def gspo_token_old_logp(logp: Tensor, old_logp: Tensor, ratio_mask: Tensor) -> Tensor:
+    """The behaviour log-probs that make the token-level clipped surrogate (``clipped``) GSPO-token (Zheng et al.
+    2025, arXiv 2507.18071, §4.3; Tinker's ``gspo``): with log s_i = mean_{t ∈ M_i} (log π_t − log π_old,t), the
+    sequence's mean log-ratio over its ``ratio_mask`` tokens M_i, this returns sg(log π_t) − sg(log s_i), so that
+    ρ_t = exp(log π_t − old_t) has the value s_i at every position and the gradient s_i·∇log π_t.
+
+    logp, old_logp, ratio_mask [B, T] → [B, T], no graph. A row with no ratio token gets s = 1.
+    """
+    log_s = masked_mean(logp.detach() - old_logp, ratio_mask, dim=-1)  # [B]
+    return logp.detach() - log_s.unsqueeze(-1)
+
+
+def dro_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, beta: float) -> Tensor:
+    """Direct reward optimisation's per-token loss, L_t = −(A_t·log π_t − ½β·(log π_t − log π_old,t)²) (Richemond
+    et al. 2024, arXiv 2405.19107; Kimi k1.5, arXiv 2501.12599; Tinker's ``dro``): off-policy regression with a
+    quadratic penalty on the log-ratio. A is the client's soft advantage. logp, old_logp, advantages, mask [B, T] →
+    [B, T], 0 where mask = 0.
+    """
+    safe_logp = _zero_outside(logp, mask)
+    log_ratio = safe_logp - _zero_outside(old_logp, mask)
+    loss = -(_zero_outside(advantages, mask) * safe_logp - 0.5 * beta * log_ratio**2)
+    return _zero_outside(loss, mask)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Loss aggregation: per-token losses of one micro-batch → its exact share of the whole mini-batch's loss
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 AdvantageEstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce", "gae"]
-PolicyLossName = Literal["clipped", "sequence_clipped"]
+PolicyLossName = Literal["clipped", "sequence_clipped", "importance_sampling", "cispo"]
 KLEstimatorName = Literal["k1", "k2", "k3"]
 AggregationName = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 DPOLossType = Literal["sigmoid", "robust", "ipo", "hinge"]

@@ -45,7 +45,7 @@ def lengths_mask(lengths: list[int], width: int) -> torch.Tensor:
     ("registry", "expected"),
     [
         (ADVANTAGE_ESTIMATORS, ["dr_grpo", "gae", "grpo", "reinforce", "rloo"]),
-        (POLICY_LOSSES, ["clipped", "sequence_clipped"]),
+        (POLICY_LOSSES, ["cispo", "clipped", "importance_sampling", "sequence_clipped"]),
         (KL_ESTIMATORS, ["k1", "k2", "k3"]),
         (AGGREGATIONS, AGG_NAMES),
     ],

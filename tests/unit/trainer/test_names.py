@@ -65,8 +65,9 @@ def test_a_recipe_naming_an_undeclared_part_is_refused_listing_the_valid_names()
     valid = "dr_grpo, gae, grpo, reinforce, rloo"
     with pytest.raises(KeyError, match=rf"unknown advantage estimator 'gspo'; valid: {valid}"):
         Recipe("x", "gspo", "clipped", "loss", needs_group=True)
-    with pytest.raises(KeyError, match=r"unknown policy loss 'cispo'; valid: clipped, sequence_clipped"):
-        Recipe("x", "grpo", "cispo", "loss", needs_group=True)
+    valid_losses = "cispo, clipped, importance_sampling, sequence_clipped"
+    with pytest.raises(KeyError, match=rf"unknown policy loss 'gspo'; valid: {valid_losses}"):
+        Recipe("x", "grpo", "gspo", "loss", needs_group=True)
 
 
 @pytest.mark.parametrize("module", ["trainer.names", "trainer.data", "trainer.config", "trainer.recipes"])
