@@ -137,6 +137,9 @@ class Settings(BaseSettings):
         description="a session's state is saved to the artifact store every this many optimiser steps: what a session "
         "continues from when its worker dies",
     )
+    session_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="of a session's model (auto: bf16 where matmuls run fast in it, as the trainer picks)"
+    )
     session_poll_s: float = Field(
         20.0, gt=0, le=40, description="how long `retrieve_future` holds a poll for a result before 'try again'"
     )

@@ -13,8 +13,9 @@ from typing import Any
 
 from api.settings import Settings, get_settings
 from worker.celery_app import configure
+from worker.sessions import SessionHost
 from worker.sweeper import QUEUED_GRACE_S, SWEEP_INTERVAL_S, Sweeper
-from worker.tasks import STOP_GRACE_CONF, STOP_GRACE_S  # importing it registers proxima.jobs.run
+from worker.tasks import STOP_GRACE_CONF, STOP_GRACE_S, default_worker_id  # importing it registers proxima.jobs.run
 from worker.validation import preload_tokenising_code
 from worker.webhooks import WebhookDeliverer
 
@@ -43,6 +44,10 @@ def run_worker(
     sweeper.start()
     deliverer = WebhookDeliverer(settings)  # webhooks go out wherever a worker runs (worker.webhooks)
     deliverer.start()
+    # Tinker training sessions, beside the jobs: a worker holds up to PROXIMA_WORKER_SESSIONS (worker.sessions).
+    sessions = SessionHost(settings, default_worker_id(hostname), capacity=settings.worker_sessions)
+    if settings.worker_sessions > 0:
+        sessions.start()
     try:
         celery_worker: Any = app.Worker(
             hostname=f"proxima@{hostname or socket.gethostname()}",
@@ -57,6 +62,7 @@ def run_worker(
     finally:
         sweeper.stop()
         deliverer.stop()
+        sessions.stop()
 
 
 def main() -> None:

@@ -368,14 +368,23 @@ def mark_loaded(session: Session, *, id: str, worker_id: str, restored: bool) ->
 
 
 def fail_in_flight(session: Session, *, id: str, message: str) -> int:
-    """Fail the requests a lost worker was running (the new owner continues from the saved state without them)."""
-    result = session.execute(
-        update(SessionRequest)
-        .where(SessionRequest.session_id == id, SessionRequest.status == RUNNING)
-        .values(status=FAILED, error={"error": message, "category": "server"}, finished_at=time.time())
-        .execution_options(synchronize_session=False)
-    )
-    return int(result.rowcount)  # type: ignore[attr-defined]
+    """Fail the requests a lost worker was running (the new owner continues from the saved state without them), and
+    move the session's order past them: the requests the SDK numbered after them run next."""
+    running = session.execute(
+        select(SessionRequest.id, SessionRequest.seq_id).where(
+            SessionRequest.session_id == id, SessionRequest.status == RUNNING
+        )
+    ).all()
+    for request_id, seq_id in running:
+        finish_request(
+            session,
+            request_id=request_id,
+            result=None,
+            result_format=None,
+            error={"error": message, "category": "server"},
+        )
+        advance(session, id=id, seq_id=seq_id)
+    return len(running)
 
 
 def next_request(session: Session, *, id: str, next_seq_id: int) -> SessionRequest | None:
@@ -507,3 +516,24 @@ def checkpoint_steps(session: Session, *, storage_key: str) -> int:
 
 def tenant_of(session: Session, *, id: str) -> str | None:
     return session.scalar(select(TrainingSession.tenant_id).where(TrainingSession.id == id))
+
+
+def training_sessions_page(session: Session, *, tenant_id: str, after: str | None, limit: int) -> list[TrainingSession]:
+    """Training sessions newest first (created_at, then id), those after ``after``'s position (none if unknown)."""
+    stmt = select(TrainingSession).where(TrainingSession.tenant_id == tenant_id, TrainingSession.kind == "training")
+    if after is not None:
+        anchor = session.execute(
+            select(TrainingSession.created_at, TrainingSession.id).where(
+                TrainingSession.id == after, TrainingSession.tenant_id == tenant_id
+            )
+        ).first()
+        if anchor is None:
+            return []
+        stmt = stmt.where(
+            or_(
+                TrainingSession.created_at < anchor[0],
+                and_(TrainingSession.created_at == anchor[0], TrainingSession.id > anchor[1]),
+            )
+        )
+    order = (TrainingSession.created_at.desc(), TrainingSession.id)
+    return list(session.scalars(stmt.order_by(*order).limit(limit)).all())

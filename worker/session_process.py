@@ -1,0 +1,177 @@
+"""The process that holds one Tinker session's model (``python -m worker.session_process``), started by the worker
+that leased the session (``worker.sessions``) and killed with it (the kernel's parent-death signal).
+
+It reads requests from stdin and writes answers to stdout, each a length-prefixed pickle (both ends are this
+project's code; nothing from a client is unpickled: a client's bytes travel inside as ``bytes``). The first request
+loads the model; then each runs one operation of ``trainer.tinker_session.TrainingSession``. The worker does every
+database and artifact-store write; this process reads and writes only the local folders it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import IO, Any
+
+FRAME = struct.Struct(">Q")
+SNAPSHOTS_KEPT = 8  # sampler weights kept in memory (LoRA tensors: small), least recently used out first
+
+
+def write_frame(out: IO[bytes], obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(FRAME.pack(len(data)) + data)
+    out.flush()
+
+
+def read_frame(inp: IO[bytes]) -> Any:
+    head = inp.read(FRAME.size)
+    if len(head) < FRAME.size:
+        raise EOFError
+    (n,) = FRAME.unpack(head)
+    data = inp.read(n)
+    if len(data) < n:
+        raise EOFError
+    return pickle.loads(data)
+
+
+class Server:
+    """The operations, on one loaded session."""
+
+    def __init__(self, load: dict[str, Any]) -> None:
+        import torch
+
+        from trainer.models import default_device, resolve_precision
+        from trainer.tinker_session import TrainingSession
+        from trainer.tinker_types import LoraChoice
+
+        device = default_device()
+        precision = resolve_precision(load.get("precision", "auto"), device)
+        lora = LoraChoice(**{k: v for k, v in load["lora"].items() if k in LoraChoice.__dataclass_fields__})
+        torch.set_num_threads(max(1, int(load.get("threads") or torch.get_num_threads())))
+        self.session = TrainingSession(load["model_path"], lora, device=device, precision=precision)
+        if load.get("state_dir"):
+            self.session.load_state(Path(load["state_dir"]), optimizer=bool(load.get("optimizer", True)))
+        self.snapshots: OrderedDict[str, Any] = OrderedDict()
+
+    def handle(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+        return getattr(self, f"op_{op}")(msg)
+
+    def op_forward_backward(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from api.tinker_wire import decode_forward_backward, encode_forward_backward_output
+
+        request = decode_forward_backward(msg["payload"], content_encoding=None)
+        result = self.session.forward_backward(
+            request.data, request.loss_fn, request.config, backward=not request.forward_only
+        )
+        loss = result.metrics.get("loss:sum")
+        return {"result": encode_forward_backward_output(result), "format": "proto", "loss": loss}
+
+    op_forward = op_forward_backward
+
+    def op_optim_step(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from trainer.tinker_types import AdamParams
+
+        adam = AdamParams(**json.loads(msg["payload"])["adam_params"])
+        metrics = self.session.optim_step(adam)
+        return {"result": json.dumps({"metrics": metrics}).encode(), "format": "json"}
+
+    def op_save_state(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.session.save_state(Path(msg["dir"]))
+        return {}
+
+    def op_save_adapter(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.session.save_adapter(Path(msg["dir"]))
+        if msg.get("snapshot_key"):
+            self._keep(msg["snapshot_key"], self.session.snapshot())
+        return {}
+
+    def op_load_state(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.session.load_state(Path(msg["dir"]), optimizer=bool(msg["optimizer"]))
+        return {}
+
+    def op_sample(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from api.tinker_wire import encode_sample_response
+
+        params = sample_params(json.loads(msg["payload"]))
+        weights: Any = msg.get("weights", "current")
+        if msg.get("snapshot_key"):
+            weights = self._snapshot(msg["snapshot_key"], Path(msg["dir"]))
+        prompt = [t for chunk in json.loads(msg["payload"])["prompt"]["chunks"] for t in chunk["tokens"]]
+        result = self.session.sample(prompt, params, weights=weights)
+        return {"result": encode_sample_response(result), "format": "proto"}
+
+    def _keep(self, key: str, snapshot: Any) -> None:
+        self.snapshots[key] = snapshot
+        self.snapshots.move_to_end(key)
+        while len(self.snapshots) > SNAPSHOTS_KEPT:
+            self.snapshots.popitem(last=False)
+
+    def _snapshot(self, key: str, folder: Path) -> Any:
+        if key not in self.snapshots:
+            self._keep(key, self.session.read_adapter_snapshot(folder))
+        self.snapshots.move_to_end(key)
+        return self.snapshots[key]
+
+
+def sample_params(body: dict[str, Any]) -> Any:
+    from trainer.tinker_types import SampleParams
+
+    sp = body["sampling_params"]
+    stop = sp.get("stop")
+    return SampleParams(
+        max_tokens=sp.get("max_tokens") or 16,
+        temperature=float(sp.get("temperature", 1.0)),
+        top_p=float(sp.get("top_p", 1.0)),
+        top_k=int(sp.get("top_k", -1)),
+        seed=sp.get("seed"),
+        stop=[stop] if isinstance(stop, str) else stop,
+        num_samples=int(body.get("num_samples", 1)),
+        prompt_logprobs=bool(body.get("prompt_logprobs", False)),
+    )
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What a request's own content caused: its client gets the message, category ``user``."""
+    from api.tinker_wire import WireError
+    from trainer.config import SpecError
+    from trainer.models import ModelError
+    from trainer.tinker_session import SessionInputError
+
+    return (SessionInputError, WireError, SpecError, ModelError)
+
+
+def main() -> int:
+    from worker.runner import die_with_parent
+
+    die_with_parent()
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # print() and library chatter go to stderr, never into the frames
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    server: Server | None = None
+    while True:
+        try:
+            msg = read_frame(inp)
+        except EOFError:
+            return 0
+        op = msg["op"]
+        try:
+            if op == "load":
+                server = Server(msg)
+                write_frame(out, {"ok": True})
+                continue
+            assert server is not None, "load first"
+            write_frame(out, {"ok": True, **server.handle(op, msg)})
+        except user_errors() as err:
+            write_frame(out, {"ok": False, "category": "user", "error": str(err)})
+        except Exception as err:
+            write_frame(out, {"ok": False, "category": "server", "error": f"{type(err).__name__}: {err}"})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
