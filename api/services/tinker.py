@@ -601,3 +601,26 @@ def future(session: Session, *, tenant: Caller, request_id: str) -> SessionReque
     if row is None:
         raise NotFound("request", request_id, param="request_id")
     return row if row.status in (repo.DONE, repo.FAILED) else None
+
+
+# -- the dashboard's listing ----------------------------------------------------------------------------------------
+
+MAX_LIST_LIMIT = 100
+
+
+def page(
+    session: Session, *, tenant: Caller, after: str | None, limit: int
+) -> tuple[list[tuple[TrainingSession, list[SessionCheckpoint]]], bool]:
+    """The tenant's training sessions, newest first, after the one named ``after``; and whether more follow."""
+    rows = repo.training_sessions_page(session, tenant_id=tenant.id, after=after, limit=limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return [(r, repo.checkpoints(session, tenant_id=tenant.id, session_id=r.id)) for r in rows], more
+
+
+def detail(
+    session: Session, *, tenant: Caller, session_id: str, recent: int
+) -> tuple[TrainingSession, list[SessionCheckpoint], list[SessionRequest]]:
+    row = training_run(session, tenant, session_id, param="session_id")
+    checkpoints = repo.checkpoints(session, tenant_id=tenant.id, session_id=row.id)
+    return row, checkpoints, repo.recent_requests(session, session_id=row.id, limit=recent)

@@ -1,5 +1,6 @@
 // The dashboard's shell: sign-in state, the hash router (#/jobs, #/jobs/<id>, #/jobs/<id>/rollouts, #/compare,
-// #/new) and the views' lifecycle. A view is `mount(main, params) → cleanup`; its cleanup stops its polling.
+// #/new, #/sessions, #/sessions/<id>) and the views' lifecycle. A view is `mount(main, params) → cleanup`; its
+// cleanup stops its polling.
 
 import { clearKey, getKey } from "./api.js";
 import { clear } from "./dom.js";
@@ -9,6 +10,7 @@ import { mountJob } from "./views/job.js";
 import { mountJobs } from "./views/jobs.js";
 import { mountPlayground } from "./views/playground.js";
 import { mountRollouts } from "./views/rollouts.js";
+import { mountSession, mountSessions } from "./views/sessions.js";
 import { mountSignIn } from "./views/signin.js";
 import { mountWebhooks } from "./views/webhooks.js";
 
@@ -24,6 +26,9 @@ const ROUTES = [
   [/^#\/compare$/, (m, q) => mountCompare(main, { jobs: q.get("jobs"), metric: q.get("metric") }), "compare"],
   [/^#\/new$/, () => mountCreate(main), "new"],
   [/^#\/webhooks$/, () => mountWebhooks(main), "webhooks"],
+  // A training session's id is the SDK's model id: `<client session>:train:<n>`.
+  [/^#\/sessions\/([\w:-]+)$/, (m) => mountSession(main, { sessionId: m[1] }), "sessions"],
+  [/^#\/sessions$/, () => mountSessions(main), "sessions"],
 ];
 
 function parseHash() {
