@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from api.db import session_scope
 from api.orm import Sampler, SessionRequest, TrainingSession
 from api.repositories import tinker as repo
@@ -44,6 +46,8 @@ from worker.tasks import resolve_model, store_for
 log = logging.getLogger("proxima.worker.sessions")
 
 CLAIM_POLL_S = 0.25  # how often a worker with room looks for a session to claim
+OUTAGE_RETRY_S = 1.0  # how often a database write is tried again while the database does not answer
+CLOCK_MARGIN = 0.1  # the share of a lease held back for clock differences between machines
 REQUEST_POLL_S = (0.005, 0.01, 0.02, 0.05)  # how often a serving session looks for its next request
 
 
@@ -180,7 +184,7 @@ class SessionServer(threading.Thread):
         with session_scope(self.settings.db_url) as s:
             repo.mark_loaded(s, id=self.id, worker_id=self.worker_id, restored=row.loaded_on is not None)
             if self.steps != row.optimizer_steps:
-                repo.advance(s, id=self.id, seq_id=None, optimizer_steps=self.steps)
+                repo.set_steps(s, id=self.id, optimizer_steps=self.steps)
 
     def _fail_waiting(self, message: str) -> None:
         with session_scope(self.settings.db_url) as s:
@@ -195,11 +199,12 @@ class SessionServer(threading.Thread):
             if not self._renew():
                 log.warning("session %s: lease lost; unloading", self.id)
                 return
-            with session_scope(self.settings.db_url) as s:
-                req = repo.next_request(s, id=self.id, next_seq_id=self.next_seq_id)
-                if req is not None:
-                    repo.start_request(s, request_id=req.id)
-                    s.expunge(req)
+            try:
+                req = self._next()
+            except SQLAlchemyError as err:  # the database away a moment: the lease decides how long we wait
+                log.warning("session %s: reading its requests failed (%s)", self.id, type(err).__name__)
+                time.sleep(OUTAGE_RETRY_S)
+                continue
             if req is not None:
                 self._run(req)
                 idle_from, attempt = time.time(), 0
@@ -210,15 +215,30 @@ class SessionServer(threading.Thread):
             time.sleep(REQUEST_POLL_S[min(attempt, len(REQUEST_POLL_S) - 1)])
             attempt += 1
 
+    def _next(self) -> SessionRequest | None:
+        with session_scope(self.settings.db_url) as s:
+            req = repo.next_request(s, id=self.id, next_seq_id=self.next_seq_id)
+            if req is not None:
+                repo.start_request(s, request_id=req.id)
+                s.expunge(req)
+            return req
+
     def _closed_and_drained(self) -> bool:
         with session_scope(self.settings.db_url) as s:
             return repo.closed(s, id=self.id) and repo.waiting_requests(s, id=self.id) == 0
 
     def _renew(self) -> bool:
-        if time.time() - self.last_renewal < self.settings.lease_seconds / 3:
+        """Renew the lease every third of its length; False once it is lost. A renewal the database does not answer
+        is tried again at the next turn, while the last one's lease has not run out (less a margin for clocks)."""
+        lease = self.settings.lease_seconds
+        if time.time() - self.last_renewal < lease / 3:
             return True
-        with session_scope(self.settings.db_url) as s:
-            ok = repo.renew(s, id=self.id, worker_id=self.worker_id, lease_seconds=self.settings.lease_seconds)
+        try:
+            with session_scope(self.settings.db_url) as s:
+                ok = repo.renew(s, id=self.id, worker_id=self.worker_id, lease_seconds=lease)
+        except SQLAlchemyError as err:
+            log.warning("session %s: lease renewal failed (%s); retrying", self.id, type(err).__name__)
+            return time.time() - self.last_renewal < lease * (1 - CLOCK_MARGIN)
         self.last_renewal = time.time()
         return ok
 
@@ -237,13 +257,32 @@ class SessionServer(threading.Thread):
             result, fmt, loss, error = None, None, None, {"error": str(err), "category": err.category}
             if err.category == "server":
                 log.error("session %s: request %s (%s) failed: %s", self.id, req.id, req.kind, err)
-        with session_scope(self.settings.db_url) as s:
-            repo.finish_request(s, request_id=req.id, result=result, result_format=fmt, error=error, loss=loss)
-            repo.advance(s, id=self.id, seq_id=req.seq_id, optimizer_steps=self.steps, loss=loss)
+        self._write_outcome(req, result, fmt, error, loss)
         if req.seq_id is not None:
             self.next_seq_id = max(self.next_seq_id, req.seq_id + 1)
         if error is not None and error["category"] == "server" and self.child and self.child.proc.poll() is not None:
             raise RuntimeError(f"the session's process died: {error['error']}")
+
+    def _write_outcome(
+        self,
+        req: SessionRequest,
+        result: bytes | None,
+        fmt: str | None,
+        error: dict[str, Any] | None,
+        loss: float | None,
+    ) -> None:
+        """The request's outcome, written again while the database is away and the lease may still be ours."""
+        while True:
+            try:
+                with session_scope(self.settings.db_url) as s:
+                    repo.finish_request(s, request_id=req.id, result=result, result_format=fmt, error=error, loss=loss)
+                    repo.advance(s, id=self.id, seq_id=req.seq_id, optimizer_steps=self.steps, loss=loss)
+                return
+            except SQLAlchemyError as err:
+                if not self._renew():
+                    raise
+                log.warning("session %s: writing request %s failed (%s); retrying", self.id, req.id, err)
+                time.sleep(OUTAGE_RETRY_S)
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any]:
         assert self.child is not None

@@ -245,7 +245,7 @@ class Enqueued:
 
 def enqueue(session: Session, row: SessionRequest) -> Enqueued:
     """Insert the request, or return the one with its ``dedupe_key`` (the SDK resends a request it got no answer
-    to). The session's ``last_request_at`` moves, which keeps it from being unloaded as idle."""
+    to). Nothing else is written: the session's row belongs to its worker (no lock the API and the worker wait on)."""
     existing = session.scalar(select(SessionRequest.id).where(SessionRequest.dedupe_key == row.dedupe_key))
     if existing is not None:
         return Enqueued(existing, False)
@@ -258,12 +258,6 @@ def enqueue(session: Session, row: SessionRequest) -> Enqueued:
         if existing is None:
             raise
         return Enqueued(existing, False)
-    session.execute(
-        update(TrainingSession)
-        .where(TrainingSession.id == row.session_id)
-        .values(last_request_at=now(), request_count=TrainingSession.request_count + 1)
-        .execution_options(synchronize_session=False)
-    )
     return Enqueued(row.id, True)
 
 
@@ -443,8 +437,8 @@ def advance(
     optimizer_steps: int | None = None,
     loss: float | None = None,
 ) -> None:
-    """After a request ran: the next training request's turn, the step count, the last loss."""
-    values: dict[str, Any] = {}
+    """After a request ran: the next training request's turn, the counts, the step count, the last loss."""
+    values: dict[str, Any] = {"request_count": TrainingSession.request_count + 1, "last_request_at": now()}
     if seq_id is not None:
         values["next_seq_id"] = case(
             (TrainingSession.next_seq_id > seq_id, TrainingSession.next_seq_id), else_=seq_id + 1
@@ -453,13 +447,12 @@ def advance(
         values["optimizer_steps"] = optimizer_steps
     if loss is not None:
         values["last_loss"] = loss
-    if values:
-        session.execute(
-            update(TrainingSession)
-            .where(TrainingSession.id == id)
-            .values(**values)
-            .execution_options(synchronize_session=False)
-        )
+    session.execute(
+        update(TrainingSession)
+        .where(TrainingSession.id == id)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def set_saved_state(session: Session, *, id: str, key: str, steps: int, optimizer: bool = True) -> str | None:
@@ -537,3 +530,13 @@ def training_sessions_page(session: Session, *, tenant_id: str, after: str | Non
         )
     order = (TrainingSession.created_at.desc(), TrainingSession.id)
     return list(session.scalars(stmt.order_by(*order).limit(limit)).all())
+
+
+def set_steps(session: Session, *, id: str, optimizer_steps: int) -> None:
+    """The step count of the state a worker loaded (a restore goes back to the saved state's)."""
+    session.execute(
+        update(TrainingSession)
+        .where(TrainingSession.id == id)
+        .values(optimizer_steps=optimizer_steps)
+        .execution_options(synchronize_session=False)
+    )

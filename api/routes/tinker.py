@@ -15,9 +15,9 @@ import asyncio
 import datetime as dt
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy import select
 
@@ -29,6 +29,16 @@ from api.repositories import tinker as repo
 from api.services import tinker as svc
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+
+
+async def raw_body(request: Request) -> bytes:
+    """The body, read on the event loop, so that the route itself can be a plain function: FastAPI runs those in its
+    threadpool, and their database work never blocks the loop (a row lock waited for on the loop would stall every
+    other request, the one holding it included)."""
+    return await request.body()
+
+
+RawBody = Annotated[bytes, Depends(raw_body)]
 
 PROTOBUF = "application/x-protobuf"
 POLL_STEP_S = (0.01, 0.02, 0.05, 0.1)  # a poll re-reads the request this often: quickly at first, then every 0.1 s
@@ -55,8 +65,8 @@ async def dynamic_config(tenant: TinkerTenantDep) -> dict[str, Any]:
 
 
 @router.post("/create_session")
-async def create_session(request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
-    body = svc.parse(svc.CreateSessionBody, await request.body())
+def create_session(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+    body = svc.parse(svc.CreateSessionBody, raw)
     row = repo.create_client_session(
         session,
         id=ids.tinker_session_id(),
@@ -69,8 +79,8 @@ async def create_session(request: Request, session: TinkerSessionDep, tenant: Ti
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep) -> Response:
-    body = svc.parse(svc.SessionRefBody, await request.body())
+def session_heartbeat(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> Response:
+    body = svc.parse(svc.SessionRefBody, raw)
     row = repo.heartbeat(session, tenant_id=tenant.id, id=body.session_id)
     if row is None:
         raise NotFound("session", body.session_id, param="session_id")
@@ -80,10 +90,8 @@ async def session_heartbeat(request: Request, session: TinkerSessionDep, tenant:
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(
-    session_id: str, request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep
-) -> dict[str, Any]:
-    body = svc.parse(svc.FinishBody, await request.body())
+def finish_session(session_id: str, raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+    body = svc.parse(svc.FinishBody, raw)
     if not repo.finish_client_session(session, tenant_id=tenant.id, id=session_id, reason=body.reason.type):
         raise NotFound("session", session_id, param="session_id")
     return {}
@@ -110,64 +118,63 @@ async def server_capabilities(settings: SettingsDep, tenant: TinkerTenantDep) ->
 
 
 @router.post("/create_model")
-async def create_model(
-    request: Request, session: TinkerSessionDep, settings: SettingsDep, tenant: TinkerTenantDep
+def create_model(
+    raw: RawBody, session: TinkerSessionDep, settings: SettingsDep, tenant: TinkerTenantDep
 ) -> dict[str, Any]:
-    body = svc.parse(svc.CreateModelBody, await request.body())
+    body = svc.parse(svc.CreateModelBody, raw)
     return svc.create_model(session, settings=settings, tenant=tenant, body=body)
 
 
 @router.post("/get_info")
-async def get_info(request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
-    body = svc.parse(svc.ModelRefBody, await request.body())
+def get_info(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+    body = svc.parse(svc.ModelRefBody, raw)
     return svc.get_info(session, tenant=tenant, model_id=body.model_id)
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
-    body = await request.body()
+def forward_backward(
+    raw: RawBody, request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep
+) -> dict[str, Any]:
     return svc.forward_backward(
-        session, tenant=tenant, body=body, content_encoding=request.headers.get("content-encoding")
+        session, tenant=tenant, body=raw, content_encoding=request.headers.get("content-encoding")
     )
 
 
 @router.post("/optim_step")
-async def optim_step(request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
-    body = svc.parse(svc.OptimStepBody, await request.body())
+def optim_step(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+    body = svc.parse(svc.OptimStepBody, raw)
     return svc.optim_step(session, tenant=tenant, body=body)
 
 
 @router.post("/save_weights")
-async def save_weights(request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
-    body = svc.parse(svc.SaveWeightsBody, await request.body())
+def save_weights(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+    body = svc.parse(svc.SaveWeightsBody, raw)
     return svc.save_weights(session, tenant=tenant, body=body, kind="weights")
 
 
 @router.post("/save_weights_external")
-async def save_weights_external(request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
-    body = svc.parse(svc.SaveWeightsBody, await request.body())
+def save_weights_external(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+    body = svc.parse(svc.SaveWeightsBody, raw)
     return svc.save_weights(session, tenant=tenant, body=body, kind="external_weights")
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(
-    request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep
-) -> dict[str, Any]:
-    body = svc.parse(svc.SaveWeightsBody, await request.body())
+def save_weights_for_sampler(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+    body = svc.parse(svc.SaveWeightsBody, raw)
     return svc.save_weights_for_sampler(session, tenant=tenant, body=body)
 
 
 @router.post("/load_weights")
-async def load_weights(
-    request: Request, session: TinkerSessionDep, settings: SettingsDep, tenant: TinkerTenantDep
+def load_weights(
+    raw: RawBody, session: TinkerSessionDep, settings: SettingsDep, tenant: TinkerTenantDep
 ) -> dict[str, Any]:
-    body = svc.parse(svc.LoadWeightsBody, await request.body())
+    body = svc.parse(svc.LoadWeightsBody, raw)
     return svc.load_weights(session, settings=settings, tenant=tenant, body=body)
 
 
 @router.post("/weights_info")
-async def weights_info(request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
-    body = svc.parse(svc.WeightsInfoBody, await request.body())
+def weights_info(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+    body = svc.parse(svc.WeightsInfoBody, raw)
     return svc.weights_info(session, tenant=tenant, tinker_path=body.tinker_path)
 
 
@@ -175,21 +182,21 @@ async def weights_info(request: Request, session: TinkerSessionDep, tenant: Tink
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(
-    request: Request, session: TinkerSessionDep, settings: SettingsDep, tenant: TinkerTenantDep
+def create_sampling_session(
+    raw: RawBody, session: TinkerSessionDep, settings: SettingsDep, tenant: TinkerTenantDep
 ) -> dict[str, Any]:
-    body = svc.parse(svc.CreateSamplingSessionBody, await request.body())
+    body = svc.parse(svc.CreateSamplingSessionBody, raw)
     return svc.create_sampling_session(session, settings=settings, tenant=tenant, body=body)
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+def get_sampler(sampler_id: str, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
     return svc.get_sampler(session, tenant=tenant, sampler_id=sampler_id)
 
 
 @router.post("/asample")
-async def asample(request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
-    body = svc.parse(svc.SampleBody, await request.body())
+def asample(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+    body = svc.parse(svc.SampleBody, raw)
     return svc.sample(session, tenant=tenant, body=body)
 
 
@@ -197,10 +204,10 @@ async def asample(request: Request, session: TinkerSessionDep, tenant: TinkerTen
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(request: Request, settings: SettingsDep, tenant: TinkerTenantDep) -> Response:
+async def retrieve_future(raw: RawBody, settings: SettingsDep, tenant: TinkerTenantDep) -> Response:
     """The request's result once it has one; until then the poll is held (up to ``session_poll_s``) and answered
     408 with "try again". Each read is one short query; nothing holds a database connection while waiting."""
-    body = svc.parse(svc.FutureBody, await request.body())
+    body = svc.parse(svc.FutureBody, raw)
     deadline = time.monotonic() + settings.session_poll_s
     for attempt in range(1_000_000):
         row = await read_only(settings.db_url, _finished, tenant_id=tenant.id, request_id=body.request_id)
@@ -276,7 +283,7 @@ def _checkpoint_object(run_id: str, c: Any) -> dict[str, Any]:
 
 
 @router.get("/training_runs")
-async def list_training_runs(
+def list_training_runs(
     session: TinkerSessionDep, tenant: TinkerTenantDep, limit: int = 20, offset: int = 0
 ) -> dict[str, Any]:
     limit, offset = max(1, min(limit, 100)), max(0, offset)
@@ -287,20 +294,20 @@ async def list_training_runs(
 
 
 @router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+def get_training_run(run_id: str, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
     row = svc.training_run(session, tenant, run_id, param="run_id")
     return _run_object(row, tenant.id, repo.checkpoints(session, tenant_id=tenant.id, session_id=row.id))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_run_checkpoints(run_id: str, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+def list_run_checkpoints(run_id: str, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
     row = svc.training_run(session, tenant, run_id, param="run_id")
     rows = repo.checkpoints(session, tenant_id=tenant.id, session_id=row.id)
     return {"checkpoints": [_checkpoint_object(row.id, c) for c in rows]}
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(
+def list_user_checkpoints(
     session: TinkerSessionDep, tenant: TinkerTenantDep, limit: int = 100, offset: int = 0
 ) -> dict[str, Any]:
     rows = repo.checkpoints(session, tenant_id=tenant.id)
@@ -313,7 +320,7 @@ def _checkpoint_ref(run_id: str, kind: str, name: str) -> svc.TinkerPath:
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
-async def delete_checkpoint(
+def delete_checkpoint(
     run_id: str, kind: str, name: str, session: TinkerSessionDep, store: StoreDep, tenant: TinkerTenantDep
 ) -> dict[str, Any]:
     path = _checkpoint_ref(run_id, kind, name)
@@ -321,7 +328,7 @@ async def delete_checkpoint(
     if key is None:
         raise NotFound("checkpoint", str(path), param="checkpoint_id")
     if not _in_use(session, key):
-        await asyncio.to_thread(store.delete_prefix, key)
+        store.delete_prefix(key)
     return {}
 
 
@@ -331,11 +338,11 @@ def _in_use(session: Any, key: str) -> bool:
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
-async def set_checkpoint_ttl(
-    run_id: str, kind: str, name: str, request: Request, session: TinkerSessionDep, tenant: TinkerTenantDep
+def set_checkpoint_ttl(
+    run_id: str, kind: str, name: str, raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep
 ) -> dict[str, Any]:
     path = _checkpoint_ref(run_id, kind, name)
-    body = svc.parse(svc.TtlBody, await request.body())
+    body = svc.parse(svc.TtlBody, raw)
     ok = repo.set_checkpoint_ttl(
         session,
         tenant_id=tenant.id,
@@ -350,7 +357,7 @@ async def set_checkpoint_ttl(
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
-async def external_weights_urls(
+def external_weights_urls(
     run_id: str,
     kind: Literal["external_weights"],
     name: str,
@@ -366,7 +373,7 @@ async def external_weights_urls(
         raise NotFound("checkpoint", str(path), param="checkpoint_id")
     if row.download_token is None:
         row.download_token = ids.download_token()
-    files = await asyncio.to_thread(store.list, row.storage_key)
+    files = store.list(row.storage_key)
     base = str(request.base_url).rstrip("/")
     urls = {
         key.removeprefix(row.storage_key + "/"): f"{base}/api/v1/weights/{row.download_token}/"
@@ -403,7 +410,7 @@ def _export_by_token(conn: Any, *, token: str) -> tuple[str, int | None] | None:
 
 
 @router.get("/sessions")
-async def list_sessions(
+def list_sessions(
     session: TinkerSessionDep, tenant: TinkerTenantDep, limit: int = 20, offset: int = 0
 ) -> dict[str, Any]:
     ids_ = repo.list_client_sessions(session, tenant_id=tenant.id, limit=max(1, min(limit, 100)), offset=max(0, offset))
@@ -411,7 +418,7 @@ async def list_sessions(
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(session_id: str, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
+def get_session(session_id: str, session: TinkerSessionDep, tenant: TinkerTenantDep) -> dict[str, Any]:
     row = repo.client_session(session, tenant_id=tenant.id, id=session_id)
     if row is None:
         raise NotFound("session", session_id, param="session_id")
