@@ -105,12 +105,14 @@ class Stack:
         with session_scope(url) as s:
             _, self.key = create_key(s, tenant_name="bench")
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")} | env
-        self.worker = subprocess.Popen(
-            [sys.executable, "-m", "worker.main", "--hostname", "bench"],
-            env=full_env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.log = root / "worker.log"
+        with self.log.open("wb") as log:
+            self.worker = subprocess.Popen(
+                [sys.executable, "-m", "worker.main", "--hostname", "bench"],
+                env=full_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         import threading
 
         import uvicorn
@@ -156,7 +158,9 @@ def main() -> None:
                     times = through_protocol(stack.url, stack.key, str(model_dir), rows, args.steps)
                 median = statistics.median(times)
                 results[side].append(median)
-                print(f"round {r} {side:10s} median {median * 1e3:7.1f} ms/step  load {before} → {loadavg()}")
+                print(
+                    f"round {r} {side:10s} median {median * 1e3:7.1f} ms/step  load {before} → {loadavg()}", flush=True
+                )
     finally:
         stack.close()
     for side, medians in results.items():
