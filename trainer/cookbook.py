@@ -64,6 +64,7 @@ class PlainRenderer(Renderer):
 
 def register(model_name: str, model_dir: Path) -> None:
     """Make ``model_name``'s tokenizer (from ``model_dir``) and the plain renderer known to the cookbook."""
+
     def tokenizer() -> Any:
         return AutoTokenizer.from_pretrained(str(model_dir))
 

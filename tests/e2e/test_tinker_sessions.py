@@ -302,7 +302,9 @@ def test_the_cookbooks_rl_loop_raises_held_out_accuracy(stack: Stack, tmp_path: 
     try:
         client = stack.client()
         validation = arithmetic_data / "validation.jsonl"
-        base = held_out_accuracy(client.create_sampling_client(base_model="tiny-arith").result(), stack.model_dir, validation)
+        base = held_out_accuracy(
+            client.create_sampling_client(base_model="tiny-arith").result(), stack.model_dir, validation
+        )
         rows = run_cookbook(
             stack, "rl", tmp_path / "rl", "--steps", "12", "--batch-size", "8", "--group-size", "8",
             "--learning-rate", "1e-3", "--save-every", "6",
