@@ -129,6 +129,7 @@ def requests_for_every_route(api: Api) -> list[tuple[str, str, dict[str, Any]]]:
         "checkpoint_id": "ftckpt_none",
         "model_id": "tiny-arith",
         "webhook_endpoint_id": "whep_none",
+        "session_id": "sess-none:train:0",
     }
     chat = {"model": "tiny-arith", "messages": [{"role": "user", "content": "What is 1 + 1?"}], "max_tokens": 2}
     endpoint = {"name": "e", "url": "https://example.com/hook", "event_types": ["fine_tuning.job.succeeded"]}
