@@ -38,7 +38,7 @@ $(SYSTEM_TOOLS) &:
 	@echo "installing $(SYSTEM_PACKAGES) with apt-get (the tests need $(SYSTEM_TOOLS))"
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES)
-	@for f in $(SYSTEM_TOOLS); do [ -x "$$f" ] || { echo "$$f is still missing after apt-get install"; exit 1; }; done
+	@for f in $(SYSTEM_TOOLS); do [ -e "$$f" ] || { echo "$$f is still missing after apt-get install"; exit 1; }; done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -32,10 +32,10 @@ from api.settings import Settings
 from api.status import JobStatus
 from api.storage import store_from_url
 from api.tasks import RUN_JOB
+from tests.redis_dbs import claim_redis_url, release_redis_url
 from trainer.config import parse_spec
 
 PG_ADMIN = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
-REDIS = "redis://127.0.0.1:6379"
 LEASE_SECONDS = 3.0
 SIM = {
     "type": "text_similarity",
@@ -256,6 +256,7 @@ class Service:
     def close(self) -> None:
         self.stop_workers()
         self.celery.close()
+        release_redis_url(self.settings.broker_url)
 
 
 class _suppress_lookup:
@@ -267,11 +268,9 @@ class _suppress_lookup:
 
 
 def redis_url() -> str:
-    import redis
-
-    db = secrets.randbelow(15) + 1
-    redis.Redis.from_url(f"{REDIS}/{db}").flushdb()
-    return f"{REDIS}/{db}"
+    """A Redis database of its own for a deployment (see tests/redis_dbs.py); :meth:`Service.close` gives a
+    Service's back, other users call :func:`release_redis_url`."""
+    return claim_redis_url()
 
 
 @contextlib.contextmanager

@@ -27,7 +27,9 @@ from api.db import session_scope
 from api.migrate import upgrade
 from api.status import TERMINAL_STATUSES
 
-from .conftest import create_pg_database, drop_pg_database, redis_url
+from tests.redis_dbs import claim_redis_url, release_redis_url
+
+from .conftest import create_pg_database, drop_pg_database
 
 MODEL = "tiny-random"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -93,7 +95,7 @@ class DashboardServer:
             | {
                 "PROXIMA_HOME": str(home),
                 "PROXIMA_DATABASE_URL": self.database_url,
-                "PROXIMA_BROKER_URL": redis_url(),
+                "PROXIMA_BROKER_URL": claim_redis_url(),
                 "PROXIMA_ARTIFACTS": str(root / "artifacts"),
                 "PROXIMA_BASE_MODELS": json.dumps([model]),
                 "PROXIMA_PORT": str(self.port),
@@ -146,6 +148,7 @@ class DashboardServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)  # anything of the group still there
             self.proc.wait()
+        release_redis_url(self.env["PROXIMA_BROKER_URL"])
         drop_pg_database(self.database_url)
 
 

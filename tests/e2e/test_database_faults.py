@@ -11,7 +11,6 @@ The database is a cluster of this module's own (tests/e2e/postgres_cluster.py), 
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -24,10 +23,10 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.redis_dbs import claim_redis_url, release_redis_url
 from tests.e2e.postgres_cluster import PostgresCluster, postgres_cluster, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-REDIS = "redis://127.0.0.1:6379"
 # libpq's own parameters: connect 2 s, statements 2 s, the socket 3 s (more than a statement may take).
 LIMITS = {"connect_timeout": "2", "tcp_user_timeout": "3000", "options": "-c%20statement_timeout%3D2000"}
 FROZEN_ANSWER_S = 12.0  # socket timeout + a reconnect's connect timeout, with room for a loaded machine
@@ -65,10 +64,11 @@ def api(cluster: PostgresCluster, tmp_path_factory: pytest.TempPathFactory) -> I
         _, key = create_key(s, tenant_name="faults")
     root = tmp_path_factory.mktemp("faults")
     port = _free_port()
+    broker = claim_redis_url()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")} | {
         "PROXIMA_HOME": str(root / "home"),
         "PROXIMA_DATABASE_URL": url,
-        "PROXIMA_BROKER_URL": f"{REDIS}/{1 + secrets.randbelow(15)}",
+        "PROXIMA_BROKER_URL": broker,
         "PROXIMA_ARTIFACTS": str(root / "artifacts"),
     }
     log = (root / "server.log").open("w")
@@ -96,6 +96,7 @@ def api(cluster: PostgresCluster, tmp_path_factory: pytest.TempPathFactory) -> I
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+        release_redis_url(broker)
         log.close()
         cluster.thaw()
         dispose_engines(url)

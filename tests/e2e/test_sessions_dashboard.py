@@ -19,7 +19,8 @@ from api.db import session_scope
 from api.migrate import upgrade
 from api.orm import SessionCheckpoint, SessionRequest, TinkerClientSession, TrainingSession
 from api.settings import Settings
-from tests.e2e.conftest import create_pg_database, drop_pg_database, redis_url
+from tests.e2e.conftest import create_pg_database, drop_pg_database
+from tests.redis_dbs import claim_redis_url, release_redis_url
 from tests.integration.conftest import serve
 
 T0 = 1_767_000_000
@@ -117,10 +118,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
     root = tmp_path_factory.mktemp("sessions-dashboard")
     database_url = create_pg_database()
+    broker = claim_redis_url()
     try:
         upgrade(database_url)
         settings = Settings(
-            home=root / "home", database_url=database_url, broker_url=redis_url(), artifacts=str(root / "artifacts")
+            home=root / "home", database_url=database_url, broker_url=broker, artifacts=str(root / "artifacts")
         )
         with session_scope(database_url) as s:
             tenant, key = create_key(s, tenant_name="sessions-team")
@@ -129,6 +131,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         with serve(create_app(settings)) as url:
             yield Deployment(url, key, session_id, oldest_id)
     finally:
+        release_redis_url(broker)
         drop_pg_database(database_url)
 
 

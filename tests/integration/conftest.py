@@ -25,11 +25,11 @@ import redis
 import uvicorn
 from sqlalchemy.orm import Session
 
+from tests.redis_dbs import claim_redis_url, release_redis_url
 from tests.remote_grader_servers import Servers, serve_remote_graders
 
 PG_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 PG_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/{db}"
-REDIS_URL = "redis://127.0.0.1:6379/{db}"
 CELERY_QUEUE = "celery"
 MAX_UPLOAD_BYTES = 64 * 1024
 
@@ -144,12 +144,12 @@ def pg_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    url = REDIS_URL.format(db=5 + secrets.randbelow(11))
+    url = claim_redis_url()
+    yield url
     client = redis.Redis.from_url(url)
     client.flushdb()
-    yield url
-    client.flushdb()
     client.close()
+    release_redis_url(url)
 
 
 @pytest.fixture(scope="session")

@@ -305,10 +305,11 @@ def test_likelihood_head_scores_the_scaled_mean_log_probability_of_the_reply(
         logp = torch.log_softmax(logits[len(p) - 1 : -1], -1)[torch.arange(len(c)), torch.tensor(c)]
         assert len(c) == len(rm.tokenizer(reply, add_special_tokens=False).input_ids) + 1  # the reply and its EOS
         torch.testing.assert_close(scores[i], 2.5 * logp.mean(), rtol=0, atol=1e-4)
-    normalised = grade_batch(
-        rm_grader(likelihood_model_dir, normalize=True), REPLIES, [PromptItem(p, {"messages": p}) for p in PROMPTS]
-    ).rewards
-    torch.testing.assert_close(normalised, (scores - 0.1) / 3.0)
+    grader = rm_grader(likelihood_model_dir, normalize=True)
+    normalised = grade_batch(grader, REPLIES, [PromptItem(p, {"messages": p}) for p in PROMPTS]).rewards
+    # The grader loads the model at the machine's precision (bf16 where bf16 is fast): its raw scores, normalised.
+    raw = load_reward_model(likelihood_model_dir).score(PROMPTS, REPLIES, batch_size=grader.batch_size)
+    torch.testing.assert_close(normalised, (raw - 0.1) / 3.0)
 
 
 def test_a_likelihood_reward_model_is_refused_with_the_wrong_adapter_task(
