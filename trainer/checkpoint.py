@@ -35,38 +35,47 @@ class Checkpoint:
         return self.path / "adapter"
 
 
-def rng_state(sampling: torch.Generator) -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "sampling": sampling.get_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+def rng_state(sampling: torch.Generator, *, process: bool = True) -> dict[str, Any]:
+    """The sampling generator's state and, with ``process``, the process-wide RNGs' (Python, NumPy, torch, CUDA): a
+    job owns its process, a Tinker session shares its host's."""
+    state: dict[str, Any] = {"sampling": sampling.get_state()}
+    if process:
+        state |= {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any], sampling: torch.Generator) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    """Restore what :func:`rng_state` saved (the process-wide RNGs only where it saved them)."""
     sampling.set_state(state["sampling"])
+    if "python" in state:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def training_state(
-    step: int, *, model: torch.nn.Module, optimizer: Any, scheduler: Any, sampler: Any, generator: torch.Generator
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    sampler: Any,
+    generator: torch.Generator,
+    process_rng: bool = True,
 ) -> dict[str, Any]:
-    """What every loop saves to resume exactly: step, trainable weights, optimiser, scheduler, data position, RNG."""
+    """What every loop saves to resume exactly: step, trainable weights, optimiser, scheduler, data position (None
+    without a data order), RNG."""
     return {
         "step": step,
         "trainable": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "sampler": sampler.state_dict(),
-        "rng": rng_state(generator),
+        "sampler": sampler.state_dict() if sampler is not None else None,
+        "rng": rng_state(generator, process=process_rng),
     }
 
 
@@ -86,7 +95,8 @@ def restore_training_state(
             named[n].copy_(t)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    sampler.load_state_dict(state["sampler"])
+    if sampler is not None:
+        sampler.load_state_dict(state["sampler"])
     set_rng_state(state["rng"], generator)
     return int(state["step"])
 

@@ -113,6 +113,13 @@ def selective_log_softmax(logits: Tensor, ids: Tensor) -> Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def candidate_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(logits)[targets] in fp32 for K candidates a position: logits [..., V], targets [..., K] → [..., K]
+    (:func:`selective_log_softmax` with one logsumexp shared by the K candidates)."""
+    logits = logits.float()
+    return torch.gather(logits, -1, targets) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """H = logsumexp(z) − Σ softmax(z)·z per position, fp32. logits [..., V] → [...]."""
     logits = logits.float()

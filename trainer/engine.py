@@ -6,11 +6,14 @@ and its schedule, the data order, the sampling RNG and any extra state (PPO's cr
 engine's parts are the low-level training API a loop (or a user's own loop, through a Tinker-style server) calls:
 
 - :meth:`Engine.forward` — log-probs (and entropy, hidden states) of a batch under the policy, with the graph;
+- :meth:`Engine.token_logprobs` — log-probs of arbitrary target tokens at every position of token rows (Tinker's
+  forward: position t predicts ``targets[t]``, one or K candidates), with the graph when gradients are on;
 - :meth:`Engine.logprobs` — the same without the graph, micro-batch by micro-batch, under the policy or the reference;
 - :meth:`Engine.backward` — backpropagate a loss (gradients accumulate until the next step);
 - :meth:`Engine.forward_backward` — the two with a policy loss and an aggregation from the registries;
 - :meth:`Engine.zero_grad` / :meth:`Engine.optim_step` — clear the gradients; clip each parameter group's
-  gradient and take one optimiser step;
+  gradient and take one optimiser step (:meth:`Engine.set_adam` first when the settings come with every step, as a
+  Tinker ``optim_step``'s do);
 - :meth:`Engine.lr_step` — advance the learning-rate schedule (once per training step);
 - :meth:`Engine.state` / :meth:`Engine.load_state` / :meth:`Engine.save_checkpoint` — exact save and restore.
 
@@ -21,6 +24,7 @@ policy's weights changed.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,17 +37,25 @@ from transformers import AutoConfig, PreTrainedModel
 
 from trainer import checkpoint as ckpt
 from trainer.config import Hyperparameters, LoraSpec, SpecError
-from trainer.core_algos import AGGREGATIONS, POLICY_LOSSES, ClipOptions, LossScale, cosine_or_constant_lr
+from trainer.core_algos import (
+    AGGREGATIONS,
+    POLICY_LOSSES,
+    ClipOptions,
+    LossScale,
+    candidate_logprobs,
+    cosine_or_constant_lr,
+)
 from trainer.models import (
     ModelError,
     Precision,
     add_lora,
+    autocast,
     load_base_model,
     reference_policy,
     store_frozen_linears_in,
     trim_freed_memory,
 )
-from trainer.rollout import Rollout, completion_logprobs, micro_slices
+from trainer.rollout import Rollout, completion_logprobs, micro_slices, position_ids
 
 # -- set-up ----------------------------------------------------------------------------------------------------------
 
@@ -133,7 +145,8 @@ class ForwardBackward:
 
 class Engine:
     """One training state: model, optimiser (AdamW, one group per :class:`ParamGroup`), learning-rate schedule, data
-    order, sampling RNG and extra state; and the step's parts, each callable on its own."""
+    order (None: the caller brings the data, as a Tinker session's client does), sampling RNG and extra state; and
+    the step's parts, each callable on its own."""
 
     def __init__(
         self,
@@ -144,7 +157,7 @@ class Engine:
         total_steps: int,
         device: torch.device,
         precision: Precision,
-        data_order: DataOrder,
+        data_order: DataOrder | None,
         seed: int,
         dropout: bool,
         trim_memory: bool = False,
@@ -166,6 +179,12 @@ class Engine:
         self.generator = torch.Generator(device).manual_seed(seed)  # the sampler's RNG, saved with every checkpoint
         self.extra: dict[str, Stateful] = {}
         self.weights_version = 0  # +1 at every change of the trainable weights (optimiser step, restore)
+
+    def next_indices(self, k: int) -> list[int]:
+        """The data order's next ``k`` example indices (a loop's batch)."""
+        if self.data_order is None:
+            raise RuntimeError("this engine has no data order: its caller brings the data")
+        return self.data_order.next(k)
 
     @property
     def learning_rate(self) -> float:
@@ -199,6 +218,20 @@ class Engine:
                 self.model, batch, temperature=temperature, precision=self.precision, with_entropy=with_entropy
             )
             return logp, ent, None
+        finally:
+            self.model.eval()
+
+    def token_logprobs(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p(targets[b, t, k] | ids[b, ≤ t]) [B, T, K] in fp32 for right-padded token rows ids [B, T] (mask [B, T]
+        1 on tokens): position t's logits scored against K candidate targets; with the graph when gradients are on
+        (train mode when LoRA has dropout). Padding's entries are meaningless; the caller masks them."""
+        self.model.train(self.dropout)
+        try:
+            with autocast(self.precision, self.device):
+                out = self.model(
+                    input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask.long()), use_cache=False
+                )
+            return candidate_logprobs(out.logits, targets)
         finally:
             self.model.eval()
 
@@ -254,21 +287,38 @@ class Engine:
         """Clear the accumulated gradients (before a step's first :meth:`backward`)."""
         self.optimizer.zero_grad(set_to_none=True)
 
-    def optim_step(self) -> list[float]:
-        """Clip each group's gradient to ``max_grad_norm`` (their scales differ: the critic's is its own), one AdamW
-        step. Returns each group's gradient norm before clipping. The gradients stay until :meth:`zero_grad`."""
-        norms = [float(torch.nn.utils.clip_grad_norm_(g.params, self.max_grad_norm)) for g in self.groups]
+    def set_adam(self, *, learning_rate: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        """AdamW's settings for every group from the next :meth:`optim_step` on (a Tinker client sends them with each
+        step; a job's come from its hyperparameters and schedule and never pass here)."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def optim_step(self, *, max_grad_norm: float | None = None, skip_non_finite: bool = False) -> list[float]:
+        """Clip each group's gradient to ``max_grad_norm`` (default: the hyperparameters'; the groups' scales
+        differ: the critic's is its own), one AdamW step. Returns each group's gradient norm before clipping. With
+        ``skip_non_finite`` a NaN or infinite norm skips the step (the weights stay; the caller sees the norm). The
+        gradients stay until :meth:`zero_grad`."""
+        limit = self.max_grad_norm if max_grad_norm is None else max_grad_norm
+        norms = [float(torch.nn.utils.clip_grad_norm_(g.params, limit)) for g in self.groups]
+        if skip_non_finite and not all(math.isfinite(n) for n in norms):
+            return norms
         self.optimizer.step()
         self.weights_version += 1
         return norms
+
+    def weights_changed(self) -> None:
+        """Note a change of the trainable weights made outside :meth:`optim_step` and :meth:`load_state` (weights
+        copied in from an adapter): caches of them, a rollout engine's, see a new :attr:`weights_version`."""
+        self.weights_version += 1
 
     def lr_step(self) -> None:
         self.scheduler.step()
 
     # -- state -----------------------------------------------------------------------------------------------------
 
-    def state(self, step: int) -> dict[str, Any]:
-        """Everything needed to resume exactly: trainable weights, optimiser, schedule, data position, RNG, extras."""
+    def state(self, step: int, *, process_rng: bool = True) -> dict[str, Any]:
+        """Everything needed to resume exactly: trainable weights, optimiser, schedule, data position, RNG (the
+        process-wide ones too unless ``process_rng`` is False), extras."""
         state = ckpt.training_state(
             step,
             model=self.model,
@@ -276,6 +326,7 @@ class Engine:
             scheduler=self.scheduler,
             sampler=self.data_order,
             generator=self.generator,
+            process_rng=process_rng,
         )
         return state | {name: part.state_dict() for name, part in self.extra.items()}
 

@@ -12,14 +12,14 @@ episode runner) is another implementation of :class:`RolloutEngine`; the loop do
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from peft import PeftModel
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer.models import MergedSampler, Precision
 from trainer.rollout import Rollout, generate, left_pad
@@ -31,13 +31,17 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     min_new_tokens: int = 0  # EOS held off before this many tokens
+    top_k: int = 0  # > 0: among the k likeliest tokens only
+    stop_token_ids: frozenset[int] | None = None  # the tokens that end a completion (None: EOS; empty: none)
+    stop_strings: tuple[str, ...] = ()  # a completion whose text contains one of these ends (the engine decodes)
+    logprobs: bool = False  # return the sampling log-probs even where they are not the trainer's own
 
 
 @dataclass
 class Generation:
     """One completion (or episode) per prompt, rows in the prompts' order."""
 
-    rollout: Rollout  # on the engine's device
+    rollout: Rollout  # on the engine's device; a row ended by a stop token or string is not ``truncated``
     logprobs: Tensor | None  # [N, C] log π_sampler of each policy token (T-scaled), 0 elsewhere; None: not given
     seconds: float  # wall-clock time of the generation
 
@@ -78,8 +82,10 @@ class HFRolloutEngine:
         device: torch.device,
         precision: Precision,
         base_copy: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
         self.policy, self.eos_id, self.pad_id = policy, eos_id, pad_id
+        self.tokenizer = tokenizer  # decodes completions for stop strings
         self.device, self.precision = device, precision
         self.merged = (
             MergedSampler(base_copy, policy, torch.bfloat16)
@@ -110,6 +116,7 @@ class HFRolloutEngine:
         ids, mask = left_pad(prompts, self.pad_id)
         t0 = time.perf_counter()
         model, precision = self.sampling_model()
+        stop_text = self._stop_text(params.stop_strings) if params.stop_strings else None
         out = generate(
             model,
             ids.to(self.device),
@@ -120,9 +127,26 @@ class HFRolloutEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             min_new_tokens=params.min_new_tokens,
+            top_k=params.top_k,
+            stop_ids=None if params.stop_token_ids is None else sorted(params.stop_token_ids),
+            stop_text=stop_text,
             generator=generator,
             precision=precision,
-            with_logprobs=self.exact_logprobs and params.temperature > 0,  # greedy decoding (validation) needs none
+            # greedy decoding (validation) needs none unless asked for
+            with_logprobs=(self.exact_logprobs and params.temperature > 0) or params.logprobs,
         )
         rollout, logp = out if isinstance(out, tuple) else (out, None)
         return Generation(rollout, logp, time.perf_counter() - t0)
+
+    def _stop_text(self, strings: tuple[str, ...]) -> Callable[[list[int]], bool]:
+        """Whether a completion's text contains a stop string (special tokens decoded as text, so that a stop string
+        such as ``<|im_end|>`` is seen)."""
+        if self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer")
+        tokenizer = self.tokenizer
+
+        def stopped(ids: list[int]) -> bool:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            return any(s in text for s in strings)
+
+        return stopped

@@ -153,7 +153,7 @@ class PreferenceTrainer(EngineLoop):
         hp = self.hp
         t0 = time.perf_counter()
         lr = self.engine.learning_rate
-        idx = self.engine.data_order.next(hp.batch_size)
+        idx = self.engine.next_indices(hp.batch_size)
         n = len(idx)
         sums = {"loss": 0.0, "acc": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
         tokens = 0

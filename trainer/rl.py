@@ -320,7 +320,7 @@ class RLTrainer(EngineLoop):
         """``batch_size`` prompts × ``samples_per_prompt`` completions from the rollout engine, graded (and shaped),
         and the generation's seconds."""
         hp = self.hp
-        idx = self.engine.data_order.next(hp.batch_size)
+        idx = self.engine.next_indices(hp.batch_size)
         g = hp.samples_per_prompt
         prompts = [self.train_ids[i] for i in idx for _ in range(g)]  # rows of a group adjacent
         items = [self.train_items[i] for i in idx for _ in range(g)]

@@ -8,7 +8,7 @@ positions (§4.2). Log-probs divide the logits by the sampling temperature (§4.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -128,6 +128,14 @@ def _sample_next(logits: Tensor, *, temperature: float, top_p: float, generator:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def top_k_logits(logits: Tensor, k: int) -> Tensor:
+    """Logits [N, V] with all but the k largest of each row set to −inf (k ≤ 0 or k ≥ V: unchanged)."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 @overload
 def generate(
     model: torch.nn.Module,
@@ -140,6 +148,9 @@ def generate(
     temperature: float,
     top_p: float = 1.0,
     min_new_tokens: int = 0,
+    top_k: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    stop_text: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
     precision: Precision = "fp32",
     with_logprobs: Literal[False] = False,
@@ -158,6 +169,9 @@ def generate(
     temperature: float,
     top_p: float = 1.0,
     min_new_tokens: int = 0,
+    top_k: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    stop_text: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
     precision: Precision = "fp32",
     with_logprobs: Literal[True],
@@ -176,6 +190,9 @@ def generate(
     temperature: float,
     top_p: float = 1.0,
     min_new_tokens: int = 0,
+    top_k: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    stop_text: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
     precision: Precision = "fp32",
     with_logprobs: bool,
@@ -194,6 +211,9 @@ def generate(
     temperature: float,
     top_p: float = 1.0,
     min_new_tokens: int = 0,
+    top_k: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    stop_text: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
     precision: Precision = "fp32",
     with_logprobs: bool = False,
@@ -201,7 +221,11 @@ def generate(
     """Sample one completion per prompt row with a KV cache. prompt_ids, prompt_mask [N, P] → :class:`Rollout`.
 
     Rows that emitted EOS keep emitting pad and stop attending; the loop ends when every row is done.
-    ``min_new_tokens`` holds EOS off (its logit −inf) for that many tokens.
+    ``min_new_tokens`` holds EOS off (its logit −inf) for that many tokens. ``stop_ids`` (default: EOS alone; ``[]``:
+    none) are the tokens that end a row, included in its completion; ``stop_text`` is asked after each token of a
+    running row whether the row's tokens so far end it (stop strings). ``top_k`` > 0 samples among the k likeliest
+    tokens only (applied before top-p). A row that ended is not ``truncated``; one that ran to
+    ``max_new_tokens`` is.
 
     ``with_logprobs`` also returns log π(o_t | q, o_<t) of each sampled token, [N, C] fp32 (0 past a row's end):
     the model's T-scaled log-softmax at sampling time, before EOS is held off and before the top-p cut, i.e. what
@@ -213,6 +237,7 @@ def generate(
     mask = prompt_mask.clone()
     done = torch.zeros(n, dtype=torch.bool, device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
+    stops = None if stop_ids is None else torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     with autocast(precision, device):
         step = model(
@@ -230,14 +255,18 @@ def generate(
         if t < min_new_tokens:
             logits = logits.clone()
             logits[:, eos_id] = float("-inf")
-        tok = _sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
+        tok = _sample_next(top_k_logits(logits, top_k), temperature=temperature, top_p=top_p, generator=generator)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         out[:, t] = tok
         if logps is not None:
-            z = policy_logits.float() / (temperature if temperature > 0 else 1.0)
+            z = policy_logits.float() / (max(temperature, MIN_TEMPERATURE) if temperature > 0 else 1.0)
             lp = z.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1)
             logps[:, t] = torch.where(done, torch.zeros_like(lp), lp)
-        newly = (~done) & (tok == eos_id)
+        hit = tok == eos_id if stops is None else torch.isin(tok, stops)
+        if stop_text is not None:
+            texts = [i for i in range(n) if not done[i] and not hit[i] and stop_text(out[i, : t + 1].tolist())]
+            hit[texts] = True
+        newly = (~done) & hit
         lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
         done = done | newly
         if bool(done.all()) or t == max_new_tokens - 1:

@@ -156,7 +156,7 @@ class SupervisedTrainer(EngineLoop):
         hp = self.hp
         t0 = time.perf_counter()
         lr = self.engine.learning_rate
-        rows = self._rows([self.train_examples[i] for i in self.engine.data_order.next(hp.batch_size)])
+        rows = self._rows([self.train_examples[i] for i in self.engine.next_indices(hp.batch_size)])
         scale = LossScale(float(sum(sum(e.targets) for row in rows for e in row)), len(rows), 0)
         loss_sum = correct = tokens = 0.0
         self.engine.zero_grad()

@@ -42,11 +42,12 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from trainer import checkpoint as ckpt
-from trainer.config import LoraSpec
+from trainer.config import Hyperparameters, LoraSpec
 from trainer.core_algos import POLICY_LOSSES, ClipOptions, dro_loss, gspo_token_old_logp, masked_sum
-from trainer.engine import load_policy
-from trainer.models import ModelError, Precision, autocast, load_tokenizer, reference_policy
-from trainer.rollout import MIN_TEMPERATURE, Rollout, _sample_next, completion_logprobs, micro_slices, position_ids
+from trainer.engine import Engine, ParamGroup, load_policy
+from trainer.generation import HFRolloutEngine, SamplingParams
+from trainer.models import ModelError, Precision, load_tokenizer, reference_policy
+from trainer.rollout import Rollout, completion_logprobs, micro_slices
 from trainer.tinker_types import (
     AdamParams,
     Datum,
@@ -55,7 +56,6 @@ from trainer.tinker_types import (
     SampledSequence,
     SampleParams,
     SampleResult,
-    StopReason,
 )
 
 TINKER_LORA_ALPHA = 32.0
@@ -67,8 +67,9 @@ UNEMBED_MODULES = ("lm_head",)
 """Llama-family module names (Llama, Qwen, Mistral): what ``train_attn`` / ``train_mlp`` / ``train_unembed`` select."""
 
 STATE_FILE = "tinker_state.pt"
-"""Beside the adapter's files in a :meth:`TrainingSession.save_state` folder: optimiser state and counters."""
-STATE_FORMAT = 1
+"""Beside the adapter's files in a :meth:`TrainingSession.save_state` folder: the engine's state (weights, optimiser,
+the sampling RNG) and ``optimizer_steps``."""
+STATE_FORMAT = 2
 
 Weights = dict[str, Tensor] | Literal["current", "base"]
 
@@ -317,11 +318,12 @@ class StopRule:
 
 
 class TrainingSession:
-    """A base model with a LoRA adapter, its AdamW optimiser and counters, and the Tinker calls on them.
+    """A base model with a LoRA adapter held by a training :class:`~trainer.engine.Engine` (the jobs' engine: its
+    forward, backward, AdamW step and state), and the Tinker calls on it.
 
     ``optimizer_steps`` counts optimiser steps since the adapter was created (or its state loaded);
-    ``weights_version`` goes up by one at every change of the trainable weights (a step, a load), so that a cache of
-    them (a sampler) knows when it is stale."""
+    ``weights_version`` (the engine's) goes up by one at every change of the trainable weights (a step, a load), so
+    that a cache of them (a sampler) knows when it is stale."""
 
     def __init__(
         self,
@@ -339,19 +341,40 @@ class TrainingSession:
         self.tokenizer = load_tokenizer(model_path)
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         defaults = AdamParams()
-        self.optimizer = torch.optim.AdamW(
-            list(self.trainable.values()),
-            lr=defaults.learning_rate,
-            betas=(defaults.beta1, defaults.beta2),
-            eps=defaults.eps,
-            weight_decay=defaults.weight_decay,
+        self.engine = Engine(
+            self.model,
+            groups=[ParamGroup(list(self.trainable.values()), defaults.learning_rate)],
+            hp=Hyperparameters(max_grad_norm=None),  # clipping, like every AdamW setting, comes with each step
+            total_steps=1,
+            device=device,
+            precision=precision,
+            data_order=None,  # the client brings the data
+            seed=lora.seed or 0,
+            dropout=False,
         )
+        self._set_adam(defaults)
         self.optimizer_steps = 0
-        self.weights_version = 0
         config = self.model.get_base_model().config
         self.vocab = int(self.model.get_output_embeddings().weight.shape[0])
         self.context = int(getattr(config, "max_position_embeddings", None) or 2**31 - 1)
         self.eos_ids = _eos_ids(self.model.get_base_model(), self.tokenizer.eos_token_id)
+        eos = self.tokenizer.eos_token_id
+        self.rollout = HFRolloutEngine(  # samples the policy itself: snapshots are swapped into it
+            self.model,
+            eos_id=eos,
+            pad_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos,
+            device=device,
+            precision=precision,
+            tokenizer=self.tokenizer,
+        )
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def weights_version(self) -> int:
+        return self.engine.weights_version
 
     # -- training --------------------------------------------------------------------------------------------------
 
@@ -380,15 +403,11 @@ class TrainingSession:
     ) -> tuple[list[dict[str, npt.NDArray[np.float32]]], float]:
         ids, mask, targets, inputs = _pad(data, self.device)
         with torch.set_grad_enabled(backward):
-            with autocast(self.precision, self.device):
-                out = self.model(
-                    input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask.long()), use_cache=False
-                )
-            logp = candidate_logprobs(out.logits.float(), targets)  # [B, T, K]
+            logp = self.engine.token_logprobs(ids, mask, targets)  # [B, T, K]
             per_token = loss.per_token(LossBatch(logp, mask, inputs), config)  # [B, T]
             total = masked_sum(per_token, mask)
             if backward:
-                total.backward()
+                self.engine.backward(total)
         logp_np, loss_np = logp.detach().float().cpu().numpy(), per_token.detach().float().cpu().numpy()
         outputs = []
         for i, d in enumerate(data):
@@ -402,23 +421,22 @@ class TrainingSession:
         is first clipped to ``grad_clip_norm`` (when > 0). Returns the gradient norm before clipping. A non-finite
         norm skips the step (the weights stay as they are) and is reported in ``skipped_steps:sum``."""
         _check_adam(adam)
-        for group in self.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-        params = list(self.trainable.values())
+        self._set_adam(adam)
         max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        (norm,) = self.engine.optim_step(max_grad_norm=max_norm, skip_non_finite=True)
         skipped = not math.isfinite(norm)
         if not skipped:
-            self.optimizer.step()
             self.optimizer_steps += 1
-            self.weights_version += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad()
         return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "skipped_steps:sum": float(skipped)}
+
+    def _set_adam(self, adam: AdamParams) -> None:
+        self.engine.set_adam(
+            learning_rate=adam.learning_rate,
+            betas=(adam.beta1, adam.beta2),
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+        )
 
     # -- weights ---------------------------------------------------------------------------------------------------
 
@@ -434,11 +452,8 @@ class TrainingSession:
         """Everything to resume exactly, in another process too: the PEFT adapter and, beside it,
         :data:`STATE_FILE` (the optimiser's state and ``optimizer_steps``)."""
         self.save_adapter(folder)
-        state = {
-            "format": STATE_FORMAT,
-            "optimizer_steps": self.optimizer_steps,
-            "optimizer": self.optimizer.state_dict(),
-        }
+        engine = self.engine.state(self.optimizer_steps, process_rng=False)  # the host's RNGs are not the session's
+        state = {"format": STATE_FORMAT, "optimizer_steps": self.optimizer_steps, "engine": engine}
         torch.save(state, folder / STATE_FILE)
 
     def load_state(self, folder: Path, *, optimizer: bool) -> None:
@@ -446,11 +461,11 @@ class TrainingSession:
         ``optimizer_steps``; without, the optimiser starts afresh (Tinker's ``load_state``: "optimizer resets").
         Gradients waiting for a step are dropped. Nothing changes when the folder does not fit this session."""
         state = _read_state(folder) if optimizer else None
-        self.load_adapter_weights(folder)
+        self.load_adapter_weights(folder)  # checks that the folder fits this session first
         self.optimizer.state.clear()
         self.optimizer_steps = 0
         if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.engine.load_state(state["engine"])
             self.optimizer_steps = int(state["optimizer_steps"])
 
     def load_adapter_weights(self, folder: Path) -> None:
@@ -459,8 +474,8 @@ class TrainingSession:
         weights = self._adapter_file(folder)
         with torch.no_grad():
             set_peft_model_state_dict(self.model, weights)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.weights_version += 1
+        self.engine.zero_grad()
+        self.engine.weights_changed()
 
     def read_adapter_snapshot(self, folder: Path) -> dict[str, Tensor]:
         """A PEFT adapter folder's weights as a :meth:`snapshot` (to sample with), the session's own weights and
@@ -513,20 +528,34 @@ class TrainingSession:
     # -- sampling --------------------------------------------------------------------------------------------------
 
     def sample(self, prompt: Sequence[int], params: SampleParams, *, weights: Weights = "current") -> SampleResult:
-        """``params.num_samples`` completions of ``prompt`` (in one batch), each with the log-prob of every token
-        under the sampling distribution at ``params.temperature`` (at temperature 0, under the model's own, T = 1),
-        and the prompt's log-probs when asked. ``weights``: "current", "base" (the adapter off) or a
-        :meth:`snapshot`; the session's weights are the same after as before."""
+        """``params.num_samples`` completions of ``prompt``, one batch of the rollout engine (the jobs' sampler), each
+        with the log-prob of every token under the distribution it was sampled from (at ``params.temperature``; at
+        temperature 0, the model's own, T = 1; before top-k and top-p), and the prompt's log-probs when asked.
+        ``weights``: "current", "base" (the adapter off) or a :meth:`snapshot`; the session's weights are the same
+        after as before."""
         prompt_ids = self._check_sample(prompt, params)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator(self.device).manual_seed(seed & (2**64 - 1))
         rule = StopRule.of(params.stop, self.eos_ids)
+        sampling = SamplingParams(
+            max_new_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_token_ids=rule.token_ids,
+            stop_strings=rule.strings,
+            logprobs=True,
+        )
         with self._weights(weights):
-            sampled = self._decode(prompt_ids, params, rule, generator)
-            temperature = max(params.temperature, MIN_TEMPERATURE) if params.temperature > 0 else 1.0
-            logprobs = self._sequence_logprobs(prompt_ids, [s for s, _ in sampled], temperature)
+            out = self.rollout.generate([prompt_ids] * params.num_samples, sampling, generator=generator)
             prompt_lp = self._prompt_logprobs(prompt_ids) if params.prompt_logprobs else None
-        sequences = [SampledSequence(s, lp, r) for (s, r), lp in zip(sampled, logprobs, strict=True)]
+        assert out.logprobs is not None
+        lengths, truncated = out.rollout.lengths.tolist(), out.rollout.truncated.tolist()
+        ids, logprobs = out.rollout.completion_ids.tolist(), out.logprobs.tolist()
+        sequences = [
+            SampledSequence(ids[i][:n], logprobs[i][:n], "length" if truncated[i] else "stop")
+            for i, n in enumerate(lengths)
+        ]
         return SampleResult(sequences, prompt_lp)
 
     def _check_sample(self, prompt: Sequence[int], params: SampleParams) -> list[int]:
@@ -545,48 +574,6 @@ class TrainingSession:
         if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= -1):
             raise SessionInputError("need temperature ≥ 0, 0 < top_p ≤ 1 and top_k ≥ −1 (−1 or 0: off)")
         return ids
-
-    @torch.no_grad()
-    def _decode(
-        self, prompt: list[int], params: SampleParams, rule: StopRule, generator: torch.Generator
-    ) -> list[tuple[list[int], StopReason]]:
-        """Sample the completions with a KV cache: the prompt's cache is computed once and copied for every row, and
-        a row that stopped leaves the batch."""
-        n = params.num_samples
-        with autocast(self.precision, self.device):
-            step = self.model(input_ids=torch.tensor([prompt], device=self.device), use_cache=True, logits_to_keep=1)
-        past, logits = step.past_key_values, step.logits[:, -1].expand(n, -1)
-        past.batch_repeat_interleave(n)
-        rows: list[list[int]] = [[] for _ in range(n)]
-        reasons: list[StopReason | None] = [None] * n
-        active = list(range(n))  # the rows still sampling, in the cache's order
-        stop_ids = torch.tensor(sorted(rule.token_ids), dtype=torch.long, device=self.device)
-        for t in range(params.max_tokens):
-            filtered = top_k_logits(logits, params.top_k)
-            tok = _sample_next(filtered, temperature=params.temperature, top_p=params.top_p, generator=generator)
-            for i, token, hit in zip(active, tok.tolist(), torch.isin(tok, stop_ids).tolist(), strict=True):
-                rows[i].append(token)
-                if hit or self._has_stop_string(rows[i], rule.strings):
-                    reasons[i] = "stop"
-            keep = [j for j, i in enumerate(active) if reasons[i] is None]
-            if not keep or t == params.max_tokens - 1:
-                break
-            if len(keep) < len(active):
-                past.batch_select_indices(torch.tensor(keep, device=self.device))
-                tok, active = tok[keep], [active[j] for j in keep]
-            pos = torch.full((len(active), 1), len(prompt) + t, device=self.device)
-            with autocast(self.precision, self.device):
-                step = self.model(input_ids=tok.unsqueeze(-1), position_ids=pos, past_key_values=past, use_cache=True)
-            past, logits = step.past_key_values, step.logits[:, -1]
-        return [(row, reason or "length") for row, reason in zip(rows, reasons, strict=True)]
-
-    def _has_stop_string(self, row: list[int], strings: tuple[str, ...]) -> bool:
-        """Whether the decoded completion contains a stop string (special tokens decoded as text, so that a stop
-        string such as ``<|im_end|>`` is seen)."""
-        if not strings:
-            return False
-        text = self.tokenizer.decode(row, skip_special_tokens=False)
-        return any(s in text for s in strings)
 
     @torch.no_grad()
     def _sequence_logprobs(self, prompt: list[int], rows: list[list[int]], temperature: float) -> list[list[float]]:
@@ -662,7 +649,7 @@ def _read_state(folder: Path) -> dict[str, Any]:
     if (
         not isinstance(state, dict)
         or state.get("format") != STATE_FORMAT
-        or not {"optimizer", "optimizer_steps"} <= set(state)
+        or not {"engine", "optimizer_steps"} <= set(state)
     ):
         raise SessionInputError(f"{folder.name} holds no session state of format {STATE_FORMAT}")
     return state
@@ -685,18 +672,3 @@ def _eos_ids(model: Any, tokenizer_eos: int | None) -> frozenset[int]:
     extra = getattr(gen, "eos_token_id", None) if gen is not None else None
     ids |= set(extra) if isinstance(extra, list) else ({extra} if extra is not None else set())
     return frozenset(int(i) for i in ids)
-
-
-def candidate_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(logits)[targets] in fp32 for K candidates a position: logits [B, T, V], targets [B, T, K] →
-    [B, T, K] (``core_algos.selective_log_softmax`` with one logsumexp shared by the K candidates)."""
-    logits = logits.float()
-    return torch.gather(logits, -1, targets) - torch.logsumexp(logits, dim=-1, keepdim=True)
-
-
-def top_k_logits(logits: Tensor, k: int) -> Tensor:
-    """Logits [N, V] with all but the k largest of each row set to −inf (k ≤ 0 or k ≥ V: unchanged)."""
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))

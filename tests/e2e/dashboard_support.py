@@ -26,7 +26,6 @@ from api.auth import create_key
 from api.db import session_scope
 from api.migrate import upgrade
 from api.status import TERMINAL_STATUSES
-
 from tests.redis_dbs import claim_redis_url, release_redis_url
 
 from .conftest import create_pg_database, drop_pg_database

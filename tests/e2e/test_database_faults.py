@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.redis_dbs import claim_redis_url, release_redis_url
 from tests.e2e.postgres_cluster import PostgresCluster, postgres_cluster, wait_until
+from tests.redis_dbs import claim_redis_url, release_redis_url
 
 REPO = Path(__file__).resolve().parents[2]
 # libpq's own parameters: connect 2 s, statements 2 s, the socket 3 s (more than a statement may take).

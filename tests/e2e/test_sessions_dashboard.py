@@ -20,8 +20,8 @@ from api.migrate import upgrade
 from api.orm import SessionCheckpoint, SessionRequest, TinkerClientSession, TrainingSession
 from api.settings import Settings
 from tests.e2e.conftest import create_pg_database, drop_pg_database
-from tests.redis_dbs import claim_redis_url, release_redis_url
 from tests.integration.conftest import serve
+from tests.redis_dbs import claim_redis_url, release_redis_url
 
 T0 = 1_767_000_000
 OLDER = 20  # closed sessions older than the one looked at: with it, one more than the list's first page

@@ -315,6 +315,7 @@ def test_the_cookbooks_rl_loop_raises_held_out_accuracy(stack: Stack, tmp_path: 
         trained = held_out_accuracy(
             client.create_sampling_client(model_path=final["sampler_path"]).result(), stack.model_dir, validation
         )
+        print(f"held-out accuracy (greedy, {HELD_OUT} pairs): base {base:.2f}, after 12 RL steps {trained:.2f}")
         assert trained >= base + 0.15, (base, trained, correct)
     finally:
         stack.service.kill_worker(worker)

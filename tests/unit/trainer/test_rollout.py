@@ -471,3 +471,43 @@ def test_sampling_logprobs_equal_a_full_forward_in_fp32(
     torch.testing.assert_close(logp[m], full[m], rtol=0, atol=1e-5)
     assert bool((logp[~m] == 0).all())
     assert bool((logp[m] < 0).all())
+
+
+def test_any_stop_id_ends_a_row_and_is_kept_and_an_empty_stop_list_runs_to_the_limit(model: LlamaForCausalLM) -> None:
+    free = greedy(model, [PROMPTS[0]], 6, stop_ids=[])  # nothing stops it: EOS too is just a token
+    tokens = free.completion_ids[0].tolist()
+    assert free.lengths.tolist() == [6] and free.truncated.tolist() == [True]
+    hand = greedy_by_hand(model, PROMPTS[0], 6)  # stops at an EOS, which the free row runs past
+    assert tokens[: len(hand)] == hand
+    third = tokens[2]  # a stop on the third token's id ends the row at its first occurrence
+    stopped = greedy(model, [PROMPTS[0]], 6, stop_ids=[third, 31])
+    first = tokens.index(third) + 1
+    assert stopped.lengths.tolist() == [first] and stopped.truncated.tolist() == [False]
+    assert stopped.completion_ids[0, :first].tolist() == tokens[:first]
+
+
+def test_stop_text_ends_a_row_on_the_token_it_accepts(model: LlamaForCausalLM) -> None:
+    tokens = greedy(model, [PROMPTS[1]], 6, stop_ids=[]).completion_ids[0].tolist()
+    seen: list[list[int]] = []
+
+    def stop_after_four(ids: list[int]) -> bool:
+        seen.append(ids)
+        return len(ids) == 4
+
+    ro = greedy(model, [PROMPTS[1]], 6, stop_ids=[], stop_text=stop_after_four)
+    assert ro.lengths.tolist() == [4] and ro.truncated.tolist() == [False]
+    assert ro.completion_ids[0].tolist() == tokens[:4]
+    assert seen == [tokens[: i + 1] for i in range(4)]  # asked once per token, with the row so far
+
+
+def test_top_k_samples_only_among_the_k_likeliest(model: LlamaForCausalLM) -> None:
+    ids, mask = left_pad([PROMPTS[0]] * 64, PAD)
+    g = torch.Generator().manual_seed(0)
+    ro = generate(model, ids, mask, max_new_tokens=1, eos_id=EOS, pad_id=PAD, temperature=5.0, top_k=3, generator=g)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPTS[0]])).logits[0, -1]
+    allowed = set(torch.topk(logits, 3).indices.tolist())
+    picked = set(ro.completion_ids[:, 0].tolist())
+    assert picked <= allowed and len(picked) >= 2  # at T=5 the three are near-uniform; 64 draws see more than one
+    one = generate(model, ids[:2], mask[:2], max_new_tokens=4, eos_id=EOS, pad_id=PAD, temperature=5.0, top_k=1)
+    assert one.completion_ids.tolist() == greedy(model, [PROMPTS[0]] * 2, 4).completion_ids.tolist()

@@ -480,7 +480,7 @@ def test_sampled_logprobs_are_a_teacher_forced_forward_at_the_temperature(
     assert len({tuple(s.tokens) for s in result.sequences}) > 1  # the rows are sampled independently
 
 
-def test_rows_that_stop_leave_the_batch_and_the_others_keep_their_own_context(
+def test_rows_that_stop_end_and_the_others_keep_their_own_context(
     session: TrainingSession, base: LlamaForCausalLM
 ) -> None:
     # top-2 sampling: every token must be one of the two likeliest after its own prefix, which a row continuing
