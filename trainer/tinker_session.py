@@ -533,7 +533,17 @@ class TrainingSession:
         temperature 0, the model's own, T = 1; before top-k and top-p), and the prompt's log-probs when asked.
         ``weights``: "current", "base" (the adapter off) or a :meth:`snapshot`; the session's weights are the same
         after as before."""
-        prompt_ids = self._check_sample(prompt, params)
+        return self.sample_many([(prompt, params)], weights=weights)[0]
+
+    def sample_many(
+        self, requests: Sequence[tuple[Sequence[int], SampleParams]], *, weights: Weights = "current"
+    ) -> list[SampleResult]:
+        """Several :meth:`sample` requests in one generation: their settings must agree but for ``num_samples`` and
+        ``prompt_logprobs`` (:func:`batch_key`), and a seeded request samples alone (its seed fixes its draws)."""
+        checked = [(self._check_sample(prompt, params), params) for prompt, params in requests]
+        params = checked[0][1]
+        if len(checked) > 1 and any(batch_key(p) is None or batch_key(p) != batch_key(params) for _, p in checked):
+            raise ValueError("sample_many: the requests' settings differ, or one of them is seeded")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator(self.device).manual_seed(seed & (2**64 - 1))
         rule = StopRule.of(params.stop, self.eos_ids)
@@ -546,9 +556,10 @@ class TrainingSession:
             stop_strings=rule.strings,
             logprobs=True,
         )
+        rows = [ids for ids, p in checked for _ in range(p.num_samples)]
         with self._weights(weights):
-            out = self.rollout.generate([prompt_ids] * params.num_samples, sampling, generator=generator)
-            prompt_lp = self._prompt_logprobs(prompt_ids) if params.prompt_logprobs else None
+            out = self.rollout.generate(rows, sampling, generator=generator)
+            prompt_lps = [self._prompt_logprobs(ids) if p.prompt_logprobs else None for ids, p in checked]
         assert out.logprobs is not None
         lengths, truncated = out.rollout.lengths.tolist(), out.rollout.truncated.tolist()
         ids, logprobs = out.rollout.completion_ids.tolist(), out.logprobs.tolist()
@@ -556,7 +567,16 @@ class TrainingSession:
             SampledSequence(ids[i][:n], logprobs[i][:n], "length" if truncated[i] else "stop")
             for i, n in enumerate(lengths)
         ]
-        return SampleResult(sequences, prompt_lp)
+        results, start = [], 0
+        for (_, p), prompt_lp in zip(checked, prompt_lps, strict=True):
+            results.append(SampleResult(sequences[start : start + p.num_samples], prompt_lp))
+            start += p.num_samples
+        return results
+
+    def check_sample(self, prompt: Sequence[int], params: SampleParams) -> None:
+        """Raise the :class:`SessionInputError` :meth:`sample` would raise for this request, sampling nothing."""
+        self._check_sample(prompt, params)
+        StopRule.of(params.stop, self.eos_ids)
 
     def _check_sample(self, prompt: Sequence[int], params: SampleParams) -> list[int]:
         ids = [int(t) for t in prompt]
@@ -599,6 +619,14 @@ class TrainingSession:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------------
+
+
+def batch_key(params: SampleParams) -> tuple[Any, ...] | None:
+    """What sample requests that share one generation must agree on (None: a seeded request, which samples alone)."""
+    if params.seed is not None:
+        return None
+    stop = None if params.stop is None else tuple(params.stop)
+    return (params.max_tokens, params.temperature, params.top_p, params.top_k, stop)
 
 
 def lora_spec(lora: LoraChoice) -> LoraSpec:

@@ -1,8 +1,7 @@
 """The process that holds one Tinker session's model (``python -m worker.session_process``), started by the worker
 that leased the session (``worker.sessions``) and killed with it (the kernel's parent-death signal).
 
-It reads requests from stdin and writes answers to stdout, each a length-prefixed pickle (both ends are this
-project's code; nothing from a client is unpickled: a client's bytes travel inside as ``bytes``). The first request
+It reads requests from stdin and writes answers to stdout, each a frame of ``worker.frames``. The first request
 loads the model; then each runs one operation of ``trainer.tinker_session.TrainingSession``. The worker does every
 database and artifact-store write; this process reads and writes only the local folders it is given.
 """
@@ -11,44 +10,30 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
-import struct
 import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-FRAME = struct.Struct(">Q")
+import torch
+
+from api.tinker_wire import WireError, decode_forward_backward, encode_forward_backward_output, encode_sample_response
+from trainer.config import SpecError
+from trainer.models import ModelError, default_device, resolve_precision
+from trainer.tinker_session import SessionInputError, TrainingSession, batch_key
+from trainer.tinker_types import AdamParams, LoraChoice, SampleParams
+from worker.frames import read_frame, write_frame
+from worker.runner import die_with_parent
+
 SNAPSHOTS_KEPT = 8  # sampler weights kept in memory (LoRA tensors: small), least recently used out first
-
-
-def write_frame(out: IO[bytes], obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    out.write(FRAME.pack(len(data)) + data)
-    out.flush()
-
-
-def read_frame(inp: IO[bytes]) -> Any:
-    head = inp.read(FRAME.size)
-    if len(head) < FRAME.size:
-        raise EOFError
-    (n,) = FRAME.unpack(head)
-    data = inp.read(n)
-    if len(data) < n:
-        raise EOFError
-    return pickle.loads(data)
+USER_ERRORS = (SessionInputError, WireError, SpecError, ModelError)
+"""What a request's own content caused: its client gets the message, category ``user``."""
 
 
 class Server:
     """The operations, on one loaded session."""
 
     def __init__(self, load: dict[str, Any]) -> None:
-        import torch
-
-        from trainer.models import default_device, resolve_precision
-        from trainer.tinker_session import TrainingSession
-        from trainer.tinker_types import LoraChoice
-
         device = default_device()
         precision = resolve_precision(load.get("precision", "auto"), device)
         lora = LoraChoice(**{k: v for k, v in load["lora"].items() if k in LoraChoice.__dataclass_fields__})
@@ -62,8 +47,6 @@ class Server:
         return getattr(self, f"op_{op}")(msg)
 
     def op_forward_backward(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from api.tinker_wire import decode_forward_backward, encode_forward_backward_output
-
         request = decode_forward_backward(msg["payload"], content_encoding=None)
         result = self.session.forward_backward(
             request.data, request.loss_fn, request.config, backward=not request.forward_only
@@ -74,8 +57,6 @@ class Server:
     op_forward = op_forward_backward
 
     def op_optim_step(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from trainer.tinker_types import AdamParams
-
         adam = AdamParams(**json.loads(msg["payload"])["adam_params"])
         metrics = self.session.optim_step(adam)
         return {"result": json.dumps({"metrics": metrics}).encode(), "format": "json"}
@@ -94,16 +75,31 @@ class Server:
         self.session.load_state(Path(msg["dir"]), optimizer=bool(msg["optimizer"]))
         return {}
 
-    def op_sample(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from api.tinker_wire import encode_sample_response
-
-        params = sample_params(json.loads(msg["payload"]))
+    def op_sample_many(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Sample requests on one set of weights (``weights``: "base", or ``snapshot_key`` and its folder ``dir``):
+        each checked alone (a bad one is answered alone, category user), those whose settings agree
+        (``trainer.tinker_session.batch_key``) sampled in one generation. Answers in the requests' order."""
         weights: Any = msg.get("weights", "current")
         if msg.get("snapshot_key"):
             weights = self._snapshot(msg["snapshot_key"], Path(msg["dir"]))
-        prompt = [t for chunk in json.loads(msg["payload"])["prompt"]["chunks"] for t in chunk["tokens"]]
-        result = self.session.sample(prompt, params, weights=weights)
-        return {"result": encode_sample_response(result), "format": "proto"}
+        answers: list[dict[str, Any] | None] = [None] * len(msg["payloads"])
+        groups: dict[Any, list[tuple[int, list[int], SampleParams]]] = {}
+        for i, payload in enumerate(msg["payloads"]):
+            body = json.loads(payload)
+            try:
+                params = sample_params(body)
+                prompt = [int(t) for chunk in body["prompt"]["chunks"] for t in chunk["tokens"]]
+                self.session.check_sample(prompt, params)
+            except USER_ERRORS as err:
+                answers[i] = {"ok": False, "category": "user", "error": str(err)}
+                continue
+            key = batch_key(params)
+            groups.setdefault(("alone", i) if key is None else key, []).append((i, prompt, params))
+        for members in groups.values():
+            results = self.session.sample_many([(prompt, params) for _, prompt, params in members], weights=weights)
+            for (i, _, _), result in zip(members, results, strict=True):
+                answers[i] = {"ok": True, "result": encode_sample_response(result), "format": "proto"}
+        return {"answers": answers}
 
     def _keep(self, key: str, snapshot: Any) -> None:
         self.snapshots[key] = snapshot
@@ -118,9 +114,7 @@ class Server:
         return self.snapshots[key]
 
 
-def sample_params(body: dict[str, Any]) -> Any:
-    from trainer.tinker_types import SampleParams
-
+def sample_params(body: dict[str, Any]) -> SampleParams:
     sp = body["sampling_params"]
     stop = sp.get("stop")
     return SampleParams(
@@ -135,19 +129,7 @@ def sample_params(body: dict[str, Any]) -> Any:
     )
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """What a request's own content caused: its client gets the message, category ``user``."""
-    from api.tinker_wire import WireError
-    from trainer.config import SpecError
-    from trainer.models import ModelError
-    from trainer.tinker_session import SessionInputError
-
-    return (SessionInputError, WireError, SpecError, ModelError)
-
-
 def main() -> int:
-    from worker.runner import die_with_parent
-
     die_with_parent()
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # print() and library chatter go to stderr, never into the frames
@@ -167,7 +149,7 @@ def main() -> int:
                 continue
             assert server is not None, "load first"
             write_frame(out, {"ok": True, **server.handle(op, msg)})
-        except user_errors() as err:
+        except USER_ERRORS as err:
             write_frame(out, {"ok": False, "category": "user", "error": str(err)})
         except Exception as err:
             write_frame(out, {"ok": False, "category": "server", "error": f"{type(err).__name__}: {err}"})

@@ -40,7 +40,7 @@ from api.settings import Settings
 from api.storage import ArtifactStore
 from worker import messages as msg
 from worker.errors import JobError
-from worker.session_process import read_frame, write_frame
+from worker.frames import read_frame, write_frame
 from worker.tasks import resolve_model, store_for
 
 log = logging.getLogger("proxima.worker.sessions")
@@ -49,6 +49,7 @@ CLAIM_POLL_S = 0.25  # how often a worker with room looks for a session to claim
 OUTAGE_RETRY_S = 1.0  # how often a database write is tried again while the database does not answer
 CLOCK_MARGIN = 0.1  # the share of a lease held back for clock differences between machines
 REQUEST_POLL_S = (0.005, 0.01, 0.02, 0.05)  # how often a serving session looks for its next request
+SAMPLE_BATCH_ROWS = 64  # sample requests waiting together are sampled together, up to this many completions
 
 
 class SessionFailed(Exception):
@@ -206,7 +207,10 @@ class SessionServer(threading.Thread):
                 time.sleep(OUTAGE_RETRY_S)
                 continue
             if req is not None:
-                self._run(req)
+                if req.kind == "sample":
+                    self._run_samples(req)
+                else:
+                    self._run(req)
                 idle_from, attempt = time.time(), 0
                 continue
             if time.time() - idle_from >= self.settings.session_idle_s or self._closed_and_drained():
@@ -260,8 +264,12 @@ class SessionServer(threading.Thread):
         self._write_outcome(req, result, fmt, error, loss)
         if req.seq_id is not None:
             self.next_seq_id = max(self.next_seq_id, req.seq_id + 1)
-        if error is not None and error["category"] == "server" and self.child and self.child.proc.poll() is not None:
-            raise RuntimeError(f"the session's process died: {error['error']}")
+        if error is not None and error["category"] == "server":
+            self._check_child(error["error"])
+
+    def _check_child(self, error: str) -> None:
+        if self.child and self.child.proc.poll() is not None:
+            raise RuntimeError(f"the session's process died: {error}")
 
     def _write_outcome(
         self,
@@ -401,17 +409,57 @@ class SessionServer(threading.Thread):
         self.saved_steps = self.steps
         return json.dumps({"path": body["path"], "type": "load_weights"}).encode(), "json", None
 
-    def _do_sample(self, req: SessionRequest) -> tuple[bytes, str, None]:
-        body = json.loads(req.payload)
-        key = body.get("weights_key")
-        if key is None:
-            answer = self._call("sample", payload=req.payload, weights="base")
-        else:
-            folder = self.scratch / "snapshots" / key.replace("/", "_")
-            if not folder.is_dir():
-                _download_folder(self.store, key, folder)
-            answer = self._call("sample", payload=req.payload, snapshot_key=key, dir=str(folder))
-        return answer["result"], answer["format"], None
+    def _run_samples(self, first: SessionRequest) -> None:
+        """``first`` and the sample requests waiting behind it (up to :data:`SAMPLE_BATCH_ROWS` completions), in
+        one child call per set of weights; the child samples those whose settings agree in one generation."""
+        batch = [first, *self._waiting_samples(after=first, rows=SAMPLE_BATCH_ROWS - _num_samples(first))]
+        by_weights: dict[str | None, list[SessionRequest]] = {}
+        for req in batch:
+            by_weights.setdefault(json.loads(req.payload).get("weights_key"), []).append(req)
+        failure = None
+        for key, reqs in by_weights.items():
+            payloads = [r.payload for r in reqs]
+            try:
+                if key is None:
+                    answer = self._call("sample_many", payloads=payloads, weights="base")
+                else:
+                    folder = self.scratch / "snapshots" / key.replace("/", "_")
+                    if not folder.is_dir():
+                        _download_folder(self.store, key, folder)
+                    answer = self._call("sample_many", payloads=payloads, snapshot_key=key, dir=str(folder))
+                answers = answer["answers"]
+            except SessionFailed as err:
+                log.error("session %s: %d sample request(s) failed: %s", self.id, len(reqs), err)
+                failure = str(err) if err.category == "server" else failure
+                answers = [{"ok": False, "error": str(err), "category": err.category}] * len(reqs)
+            for req, out in zip(reqs, answers, strict=True):
+                if out["ok"]:
+                    self._write_outcome(req, out["result"], out["format"], None, None)
+                else:
+                    self._write_outcome(req, None, None, {"error": out["error"], "category": out["category"]}, None)
+        if failure is not None:
+            self._check_child(failure)
+
+    def _waiting_samples(self, *, after: SessionRequest, rows: int) -> list[SessionRequest]:
+        """Sample requests that arrived after ``after`` and wait, marked running, while their completions fit in
+        ``rows``."""
+        taken: list[SessionRequest] = []
+        with session_scope(self.settings.db_url) as s:
+            for req in repo.pending_samples(s, id=self.id, after_seq=after.seq, limit=SAMPLE_BATCH_ROWS):
+                rows -= _num_samples(req)
+                if rows < 0:
+                    break
+                repo.start_request(s, request_id=req.id)
+                s.expunge(req)
+                taken.append(req)
+        return taken
+
+
+def _num_samples(req: SessionRequest) -> int:
+    try:
+        return max(1, int(json.loads(req.payload).get("num_samples", 1)))
+    except (ValueError, TypeError, AttributeError):
+        return 1
 
 
 class SessionHost(threading.Thread):

@@ -499,6 +499,23 @@ def pending_requests(session: Session, *, id: str) -> list[SessionRequest]:
     )
 
 
+def pending_samples(session: Session, *, id: str, after_seq: int, limit: int) -> list[SessionRequest]:
+    """The session's waiting sample requests that arrived after request ``after_seq``, oldest first."""
+    return list(
+        session.scalars(
+            select(SessionRequest)
+            .where(
+                SessionRequest.session_id == id,
+                SessionRequest.status == PENDING,
+                SessionRequest.kind == "sample",
+                SessionRequest.seq > after_seq,
+            )
+            .order_by(SessionRequest.seq)
+            .limit(limit)
+        ).all()
+    )
+
+
 def checkpoint_steps(session: Session, *, storage_key: str) -> int:
     """The optimiser steps of the state saved at ``storage_key``."""
     steps = session.scalar(

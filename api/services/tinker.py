@@ -275,26 +275,43 @@ def create_model(session: Session, *, settings: Settings, tenant: Caller, body: 
             f"optimizer_config.type: {body.optimizer_config.type!r} is not offered; offered: adamw",
             param="optimizer_config.type",
         )
-    model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    return _new_training_run(
+        session,
+        tenant=tenant,
+        client_session_id=body.session_id,
+        model_seq_id=body.model_seq_id,
+        request_kind="create_model",
+        result={"type": "create_model"},
+        base_model=body.base_model,
+        lora=body.lora_config.model_dump(),
+        user_metadata=body.user_metadata,
+    )
+
+
+def _new_training_run(
+    session: Session,
+    *,
+    tenant: Caller,
+    client_session_id: str,
+    model_seq_id: int,
+    request_kind: str,
+    result: dict[str, Any],
+    **row: Any,
+) -> dict[str, Any]:
+    """A training run ``<session>:train:<seq>`` of a client session (``row``: its base model, LoRA and any saved state
+    it starts from), and the request that made it, answered at once with ``result`` and the model id."""
+    model_id = f"{client_session_id}:train:{model_seq_id}"
     repo.add_training_session(
         session,
-        TrainingSession(
-            id=model_id,
-            tenant_id=tenant.id,
-            client_session_id=body.session_id,
-            kind="training",
-            base_model=body.base_model,
-            lora=body.lora_config.model_dump(),
-            user_metadata=body.user_metadata,
-        ),
+        TrainingSession(id=model_id, tenant_id=tenant.id, client_session_id=client_session_id, kind="training", **row),
     )
     request_id = _done_request(
         session,
         tenant=tenant,
         serving_id=model_id,
-        kind="create_model",
+        kind=request_kind,
         dedupe_key=f"create_model:{model_id}",
-        result={"model_id": model_id, "type": "create_model"},
+        result=result | {"model_id": model_id},
     )
     return {"request_id": request_id, "model_id": model_id}
 
@@ -468,32 +485,22 @@ def _create_from_state(
     assert body.session_id is not None and body.model_seq_id is not None
     _client_session(session, tenant, body.session_id)
     source = training_run(session, tenant, path.run_id, param="path")
-    model_id = f"{body.session_id}:train:{body.model_seq_id}"
-    repo.add_training_session(
-        session,
-        TrainingSession(
-            id=model_id,
-            tenant_id=tenant.id,
-            client_session_id=body.session_id,
-            kind="training",
-            base_model=source.base_model,
-            lora=dict(source.lora),
-            user_metadata=body.user_metadata,
-            saved_state_key=ckpt.storage_key,
-            saved_state_optimizer=body.optimizer,
-            saved_steps=ckpt.optimizer_steps if body.optimizer else 0,
-            optimizer_steps=ckpt.optimizer_steps if body.optimizer else 0,
-        ),
-    )
-    request_id = _done_request(
+    steps = ckpt.optimizer_steps if body.optimizer else 0
+    return _new_training_run(
         session,
         tenant=tenant,
-        serving_id=model_id,
-        kind="load_weights",
-        dedupe_key=f"create_model:{model_id}",
-        result={"path": str(path), "model_id": model_id, "type": "load_weights"},
+        client_session_id=body.session_id,
+        model_seq_id=body.model_seq_id,
+        request_kind="load_weights",
+        result={"path": str(path), "type": "load_weights"},
+        base_model=source.base_model,
+        lora=dict(source.lora),
+        user_metadata=body.user_metadata,
+        saved_state_key=ckpt.storage_key,
+        saved_state_optimizer=body.optimizer,
+        saved_steps=steps,
+        optimizer_steps=steps,
     )
-    return {"request_id": request_id, "model_id": model_id}
 
 
 # -- sampling -------------------------------------------------------------------------------------------------------

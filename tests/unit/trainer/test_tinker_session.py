@@ -589,6 +589,40 @@ def test_bad_sampling_requests_are_refused(
         session.sample(prompt, params)
 
 
+def test_bad_sampling_requests_are_refused_by_check_sample_too(session: TrainingSession) -> None:
+    with pytest.raises(SessionInputError, match="a stop string must not be empty"):
+        session.check_sample(PROMPT, SampleParams(stop=[""]))
+    session.check_sample(PROMPT, SampleParams(stop=["x"]))  # a good one passes
+
+
+def test_requests_sampled_together_get_what_each_gets_alone(session: TrainingSession) -> None:
+    """Three greedy requests of different prompts and counts in one generation (left-padded together): each gets its
+    own completions, log-probs and prompt log-probs, as when sampled alone."""
+    perturb(session, scale=0.3)
+    prompts = [PROMPT, [7, 8, 12], [9, 6, 10, 11, 4, 5, 3, 2]]
+    params = [
+        SampleParams(max_tokens=7, temperature=0.0, stop=[14], num_samples=n, prompt_logprobs=n == 2) for n in (1, 2, 3)
+    ]
+    together = session.sample_many(list(zip(prompts, params, strict=True)))
+    assert [len(r.sequences) for r in together] == [1, 2, 3]
+    for prompt, p, got in zip(prompts, params, together, strict=True):
+        alone = session.sample(prompt, p)
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
+        assert [s.stop_reason for s in got.sequences] == [s.stop_reason for s in alone.sequences]
+        for a, b in zip(got.sequences, alone.sequences, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-4)  # padded vs unpadded rounding
+        assert (got.prompt_logprobs is None) == (alone.prompt_logprobs is None) == (not p.prompt_logprobs)
+    assert {s.stop_reason for r in together for s in r.sequences} >= {"length"}
+
+
+def test_requests_whose_settings_differ_or_that_are_seeded_are_not_sampled_together(session: TrainingSession) -> None:
+    hot, cold = SampleParams(temperature=1.0), SampleParams(temperature=0.5)
+    with pytest.raises(ValueError, match="settings differ"):
+        session.sample_many([(PROMPT, hot), (PROMPT, cold)])
+    with pytest.raises(ValueError, match="seeded"):
+        session.sample_many([(PROMPT, SampleParams(seed=1)), (PROMPT, SampleParams(seed=1))])
+
+
 def test_a_bf16_session_trains_and_samples_within_bf16_rounding_of_fp32(random_model_dir: Path) -> None:
     data = [ce_datum(t, np.ones(len(t))) for t in TOKENS]
     params = SampleParams(max_tokens=6, seed=1, num_samples=2, prompt_logprobs=True, stop=[])
