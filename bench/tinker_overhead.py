@@ -1,6 +1,7 @@
 """The Tinker protocol's overhead (issue 17): one ``forward_backward`` + ``optim_step`` through the official SDK, the
 API, PostgreSQL and a worker's session process, against the same two calls on ``trainer.tinker_session`` in this
-process, on the small benchmark model (bench/common.py). Sides alternate; the load is recorded per round.
+process, on the small benchmark model (bench/common.py). Sides alternate; a round starts once the 1-minute load is
+below ``--max-load`` (1.0; a round that cannot is tried again later) and the load is printed for each side.
 
     .venv/bin/python bench/tinker_overhead.py --rounds 5 --steps 10
 
@@ -138,29 +139,53 @@ class Stack:
         self._admin("DROP DATABASE IF EXISTS {} WITH (FORCE)")
 
 
+SETTLE_S = 240.0
+
+
+def settle(max_load: float) -> float:
+    """Wait (up to SETTLE_S) for the 1-minute load average to fall below ``max_load`` (the previous round's own work
+    included); returns the last reading."""
+    deadline = time.monotonic() + SETTLE_S
+    while (load := float(loadavg().split()[0])) >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    return load
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    p.add_argument("--max-load", type=float, default=1.0, help="a round starts once the 1-minute load is below this")
     args = p.parse_args()
     model_dir, _ = build_assets(args.workdir, "small")
     rows = batch(vocab=1024, seed=0)
     stack = Stack(model_dir, Path(tempfile.mkdtemp(prefix="proxima-tinker-bench-")))
     results: dict[str, list[float]] = {"in_process": [], "protocol": []}
     try:
-        for r in range(args.rounds):
+        r = attempts = 0
+        while r < args.rounds and attempts < 3 * args.rounds:
+            attempts += 1
+            load = settle(args.max_load)
+            if load >= args.max_load:
+                print(f"round {r}: load {loadavg()} did not fall below {args.max_load} in {SETTLE_S:.0f} s; again")
+                continue
+            medians: dict[str, float] = {}
             for side in ("in_process", "protocol") if r % 2 == 0 else ("protocol", "in_process"):
                 before = loadavg()
                 if side == "in_process":
                     times = in_process(model_dir, rows, args.steps)
                 else:
                     times = through_protocol(stack.url, stack.key, str(model_dir), rows, args.steps)
-                median = statistics.median(times)
-                results[side].append(median)
+                medians[side] = statistics.median(times)
                 print(
-                    f"round {r} {side:10s} median {median * 1e3:7.1f} ms/step  load {before} → {loadavg()}", flush=True
+                    f"round {r} {side:10s} median {medians[side] * 1e3:7.1f} ms/step "
+                    f"(steps {min(times) * 1e3:.1f}–{max(times) * 1e3:.1f})  load {before} → {loadavg()}",
+                    flush=True,
                 )
+            for side, median in medians.items():
+                results[side].append(median)
+            r += 1
     finally:
         stack.close()
     for side, medians in results.items():
