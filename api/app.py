@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import errors
+from api import errors, notify
 from api.guards import RequestGuard
 from api.routes import (
     dashboard,
@@ -118,7 +118,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run_in_threadpool(jobs_service.warm_up_reads, settings.db_url)
         except SQLAlchemyError as err:  # not migrated yet, or the database is down: /readyz says which
             startup_log.warning("the database reads were not warmed up: %s", err)
-        yield
+        # Tinker's held polls are woken by the workers' notifications where the database sends them
+        listener = None
+        if notify.supported(settings.db_url):
+            listener = notify.Listener(settings.db_url, notify.DONE_CHANNEL).start()
+        app.state.tinker_done = listener
+        try:
+            yield
+        finally:
+            if listener is not None:
+                listener.stop()
 
     app = FastAPI(
         title="Proxima",

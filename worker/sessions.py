@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from api import notify
 from api.db import session_scope
 from api.orm import Sampler, SessionRequest, TrainingSession
 from api.repositories import tinker as repo
@@ -49,6 +50,7 @@ CLAIM_POLL_S = 0.25  # how often a worker with room looks for a session to claim
 OUTAGE_RETRY_S = 1.0  # how often a database write is tried again while the database does not answer
 CLOCK_MARGIN = 0.1  # the share of a lease held back for clock differences between machines
 REQUEST_POLL_S = (0.005, 0.01, 0.02, 0.05)  # how often a serving session looks for its next request
+NOTIFIED_POLL_S = 0.5  # ... and where the API's notifications wake it (PostgreSQL)
 SAMPLE_BATCH_ROWS = 64  # sample requests waiting together are sampled together, up to this many completions
 
 
@@ -110,9 +112,13 @@ def _download_folder(store: ArtifactStore, prefix: str, folder: Path) -> Path:
 class SessionServer(threading.Thread):
     """Serves one leased session until it is idle, closed and drained, or its lease is lost."""
 
-    def __init__(self, settings: Settings, session_id: str, worker_id: str) -> None:
+    def __init__(
+        self, settings: Settings, session_id: str, worker_id: str, *, listener: notify.Listener | None = None
+    ) -> None:
         super().__init__(daemon=True, name=f"session-{session_id}")
         self.settings, self.id, self.worker_id = settings, session_id, worker_id
+        self.listener = listener  # wakes the server when a request for it is queued (PostgreSQL)
+        self.queued = threading.Event()
         self.store = store_for(settings)
         self.stopping = threading.Event()
         self.child: Child | None = None
@@ -125,6 +131,8 @@ class SessionServer(threading.Thread):
     # -- life cycle ----------------------------------------------------------------------------------------------
 
     def run(self) -> None:
+        if self.listener is not None:
+            self.listener.add(self.id, self.queued.set)
         try:
             row = self._take_over()
             if row is None:
@@ -134,6 +142,8 @@ class SessionServer(threading.Thread):
         except Exception:
             log.exception("session %s: serving failed", self.id)
         finally:
+            if self.listener is not None:
+                self.listener.discard(self.id, self.queued.set)
             if self.child is not None:
                 self.child.stop()
             with session_scope(self.settings.db_url) as s:
@@ -200,6 +210,7 @@ class SessionServer(threading.Thread):
             if not self._renew():
                 log.warning("session %s: lease lost; unloading", self.id)
                 return
+            self.queued.clear()  # before the read: a request queued after it wakes the wait below
             try:
                 req = self._next()
             except SQLAlchemyError as err:  # the database away a moment: the lease decides how long we wait
@@ -216,7 +227,8 @@ class SessionServer(threading.Thread):
             if time.time() - idle_from >= self.settings.session_idle_s or self._closed_and_drained():
                 self._unload()
                 return
-            time.sleep(REQUEST_POLL_S[min(attempt, len(REQUEST_POLL_S) - 1)])
+            backoff = REQUEST_POLL_S[min(attempt, len(REQUEST_POLL_S) - 1)]
+            self.queued.wait(NOTIFIED_POLL_S if self.listener is not None else backoff)
             attempt += 1
 
     def _next(self) -> SessionRequest | None:
@@ -470,8 +482,11 @@ class SessionHost(threading.Thread):
         self.settings, self.worker_id, self.capacity, self.poll_s = settings, worker_id, capacity, poll_s
         self.servers: dict[str, SessionServer] = {}
         self.done = threading.Event()
+        self.listener: notify.Listener | None = None
 
     def run(self) -> None:
+        if notify.supported(self.settings.db_url):
+            self.listener = notify.Listener(self.settings.db_url, notify.QUEUED_CHANNEL).start()
         while not self.done.wait(self.poll_s):
             self.servers = {k: v for k, v in self.servers.items() if v.is_alive()}
             if len(self.servers) >= self.capacity:
@@ -482,7 +497,7 @@ class SessionHost(threading.Thread):
                 log.warning("session host: claim failed", exc_info=True)
                 continue
             if claimed is not None:
-                server = SessionServer(self.settings, claimed, self.worker_id)
+                server = SessionServer(self.settings, claimed, self.worker_id, listener=self.listener)
                 self.servers[claimed] = server
                 server.start()
 
@@ -503,4 +518,7 @@ class SessionHost(threading.Thread):
         for server in list(self.servers.values()):
             server.stopping.set()
         for server in list(self.servers.values()):
+            server.queued.set()
             server.join(timeout=30)
+        if self.listener is not None:
+            self.listener.stop()

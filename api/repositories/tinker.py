@@ -17,6 +17,7 @@ from sqlalchemy import and_, case, delete, exists, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from api.notify import DONE_CHANNEL, QUEUED_CHANNEL, notify
 from api.orm import (
     Sampler,
     SessionCheckpoint,
@@ -258,6 +259,7 @@ def enqueue(session: Session, row: SessionRequest) -> Enqueued:
         if existing is None:
             raise
         return Enqueued(existing, False)
+    notify(session, QUEUED_CHANNEL, row.session_id)  # wakes the worker serving the session, at commit
     return Enqueued(row.id, True)
 
 
@@ -427,6 +429,7 @@ def finish_request(
         )
         .execution_options(synchronize_session=False)
     )
+    notify(session, DONE_CHANNEL, request_id)  # wakes the API's held polls of it, at commit
 
 
 def advance(

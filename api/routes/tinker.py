@@ -12,6 +12,7 @@ generated from it) and answer errors in the envelope the SDK reads as an ``APISt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import time
@@ -24,6 +25,7 @@ from sqlalchemy import select
 from api import ids
 from api.deps import SettingsDep, StoreDep, TinkerSessionDep, TinkerTenantDep, read_only
 from api.errors import NotFound
+from api.notify import Listener
 from api.orm import SessionCheckpoint, SessionRequest, TrainingSession
 from api.repositories import tinker as repo
 from api.services import tinker as svc
@@ -42,6 +44,7 @@ RawBody = Annotated[bytes, Depends(raw_body)]
 
 PROTOBUF = "application/x-protobuf"
 POLL_STEP_S = (0.01, 0.02, 0.05, 0.1)  # a poll re-reads the request this often: quickly at first, then every 0.1 s
+NOTIFIED_POLL_S = 1.0  # ... and this often where notifications wake it (PostgreSQL)
 
 # -- the client: configuration, session, telemetry ------------------------------------------------------------------
 
@@ -204,18 +207,36 @@ def asample(raw: RawBody, session: TinkerSessionDep, tenant: TinkerTenantDep) ->
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(raw: RawBody, settings: SettingsDep, tenant: TinkerTenantDep) -> Response:
+async def retrieve_future(raw: RawBody, settings: SettingsDep, tenant: TinkerTenantDep, request: Request) -> Response:
     """The request's result once it has one; until then the poll is held (up to ``session_poll_s``) and answered
-    408 with "try again". Each read is one short query; nothing holds a database connection while waiting."""
+    408 with "try again". Each read is one short query; nothing holds a database connection while waiting. On
+    PostgreSQL the worker's notification (``api.notify``) wakes the poll at once; the reads go on, more slowly, in
+    case a notification is lost."""
     body = svc.parse(svc.FutureBody, raw)
     deadline = time.monotonic() + settings.session_poll_s
-    for attempt in range(1_000_000):
-        row = await read_only(settings.db_url, _finished, tenant_id=tenant.id, request_id=body.request_id)
-        if row is not None:
-            return _result(row)
-        if time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(POLL_STEP_S[min(attempt, len(POLL_STEP_S) - 1)])
+    listener: Listener | None = getattr(request.app.state, "tinker_done", None)
+    woken, loop = asyncio.Event(), asyncio.get_running_loop()
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(woken.set)
+
+    if listener is not None:
+        listener.add(body.request_id, wake)
+    try:
+        for attempt in range(1_000_000):
+            woken.clear()  # before the read: a notification after it is not missed
+            row = await read_only(settings.db_url, _finished, tenant_id=tenant.id, request_id=body.request_id)
+            if row is not None:
+                return _result(row)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            step = NOTIFIED_POLL_S if listener is not None else POLL_STEP_S[min(attempt, len(POLL_STEP_S) - 1)]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), timeout=min(step, left))
+    finally:
+        if listener is not None:
+            listener.discard(body.request_id, wake)
     return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"}, status_code=408)
 
 

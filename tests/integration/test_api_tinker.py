@@ -14,7 +14,9 @@ import pytest
 import tinker
 from tinker import types
 
+from api.notify import DONE_CHANNEL
 from tests.integration.conftest import Tenant, serve
+from tests.integration.test_notify import backends_listening, wait_until
 
 POLL_S = 0.5
 
@@ -136,6 +138,49 @@ class TestFutures:
             r = client.post("/retrieve_future", json={"request_id": future["request_id"]})
             assert r.status_code == 408 and r.json()["type"] == "try_again"
             assert time.monotonic() - start >= POLL_S * 0.9
+
+    def test_a_held_poll_is_woken_by_the_workers_notification_not_by_its_fallback_poll(
+        self, settings: Any, tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A request finished (as a worker finishes it: ``repo.finish_request`` and a commit) while its poll is held
+        is answered at once: the fallback re-read comes only after 60 s here, and the poll is held up to 30 s."""
+        import threading
+
+        from api.app import create_app
+        from api.db import session_scope
+        from api.repositories import tinker as repo
+        from api.routes import tinker as routes
+
+        monkeypatch.setattr(routes, "NOTIFIED_POLL_S", 60.0)
+        app = create_app(settings.model_copy(update={"session_poll_s": 30.0}))
+        listening = len(backends_listening(settings.db_url, DONE_CHANNEL))
+        with serve(app) as url, raw(url, tenant_a.key) as client:
+            wait_until(lambda: len(backends_listening(settings.db_url, DONE_CHANNEL)) > listening, "the app's listener")
+            model_id = create_model(client, new_session(client)).json()["model_id"]
+            future = client.post("/forward_backward", content=forward_backward_body(model_id, 1)).json()
+            answer: dict[str, Any] = {}
+
+            def poll() -> None:
+                r = client.post("/retrieve_future", json={"request_id": future["request_id"]})
+                answer.update(status=r.status_code, body=r.json(), at=time.monotonic())
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            time.sleep(1.0)  # the poll has read the pending row and waits
+            assert poller.is_alive()
+            with session_scope(settings.db_url) as s:
+                repo.finish_request(
+                    s,
+                    request_id=future["request_id"],
+                    result=None,
+                    result_format=None,
+                    error={"error": "the worker says no", "category": "user"},
+                )
+            finished = time.monotonic()
+            poller.join(timeout=25)
+        assert answer["status"] == 200, answer
+        assert answer["body"] == {"error": "the worker says no", "category": "user"}
+        assert answer["at"] - finished < 10  # woken, not the 60 s re-read nor the 30 s hold
 
     def test_a_resent_request_is_the_same_request(self, tinker_url: str, tenant_a: Tenant) -> None:
         with raw(tinker_url, tenant_a.key) as client:
