@@ -167,7 +167,8 @@ TINKER_LOSSES: Mapping[str, TinkerLoss] = {
 }
 
 UNSUPPORTED_LOSSES: Mapping[str, str] = {
-    "stable_reinforce": "it needs the datums' provenance spans, which this server does not read",
+    "stable_reinforce": "Tinker has not published its objective nor what record_stability_info records at sampling "
+    "time (an alpha loss); importance_sampling, ppo, cispo, gspo and dro are offered",
     "custom": "losses uploaded with create_custom_loss are not run on this server; forward_backward_custom with a "
     "Python function works",
 }
@@ -448,18 +449,27 @@ class TrainingSession:
         """The LoRA weights as a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)."""
         ckpt.save_adapter(self.model, folder)
 
-    def save_state(self, folder: Path) -> None:
+    def save_state(self, folder: Path, *, gradients: bool = False) -> None:
         """Everything to resume exactly, in another process too: the PEFT adapter and, beside it,
-        :data:`STATE_FILE` (the optimiser's state and ``optimizer_steps``)."""
+        :data:`STATE_FILE` (the optimiser's state and ``optimizer_steps``); with ``gradients``, the gradients
+        waiting for the next step too (an idle session unloaded between ``forward_backward`` and ``optim_step``
+        keeps them; a client's ``save_state`` does not, as in Tinker)."""
         self.save_adapter(folder)
         engine = self.engine.state(self.optimizer_steps, process_rng=False)  # the host's RNGs are not the session's
         state = {"format": STATE_FORMAT, "optimizer_steps": self.optimizer_steps, "engine": engine}
+        if gradients:
+            state["gradients"] = {n: p.grad.detach().cpu() for n, p in self.trainable.items() if p.grad is not None}
         torch.save(state, folder / STATE_FILE)
+
+    def has_gradients(self) -> bool:
+        """Whether gradients wait for an optimiser step."""
+        return any(p.grad is not None for p in self.trainable.values())
 
     def load_state(self, folder: Path, *, optimizer: bool) -> None:
         """Load a :meth:`save_state` folder: the weights and, with ``optimizer``, the optimiser's state and
-        ``optimizer_steps``; without, the optimiser starts afresh (Tinker's ``load_state``: "optimizer resets").
-        Gradients waiting for a step are dropped. Nothing changes when the folder does not fit this session."""
+        ``optimizer_steps`` (and the waiting gradients it was saved with); without, the optimiser starts afresh
+        (Tinker's ``load_state``: "optimizer resets"). Gradients waiting for a step are dropped first. Nothing
+        changes when the folder does not fit this session."""
         state = _read_state(folder) if optimizer else None
         self.load_adapter_weights(folder)  # checks that the folder fits this session first
         self.optimizer.state.clear()
@@ -467,6 +477,9 @@ class TrainingSession:
         if state is not None:
             self.engine.load_state(state["engine"])
             self.optimizer_steps = int(state["optimizer_steps"])
+            for name, grad in state.get("gradients", {}).items():
+                param = self.trainable[name]
+                param.grad = grad.to(param.device, param.dtype)
 
     def load_adapter_weights(self, folder: Path) -> None:
         """Set the LoRA weights from a PEFT adapter folder written by :meth:`save_adapter` or :meth:`save_state`

@@ -62,7 +62,7 @@ class Server:
         return {"result": json.dumps({"metrics": metrics}).encode(), "format": "json"}
 
     def op_save_state(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self.session.save_state(Path(msg["dir"]))
+        self.session.save_state(Path(msg["dir"]), gradients=bool(msg.get("gradients")))
         return {}
 
     def op_save_adapter(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def main() -> int:
         try:
             if op == "load":
                 server = Server(msg)
-                write_frame(out, {"ok": True})
+                write_frame(out, {"ok": True, "gradients": server.session.has_gradients()})
                 continue
             assert server is not None, "load first"
             write_frame(out, {"ok": True, **server.handle(op, msg)})

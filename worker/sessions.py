@@ -125,6 +125,7 @@ class SessionServer(threading.Thread):
         self.scratch = Path(tempfile.mkdtemp(prefix="proxima-session-"))
         self.steps = 0  # optimiser steps of the state in memory
         self.saved_steps = 0  # ... and of the last saved state
+        self.gradients = False  # gradients wait in the child for an optimiser step
         self.next_seq_id = 1
         self.last_renewal = time.time()
 
@@ -182,7 +183,7 @@ class SessionServer(threading.Thread):
         if row.saved_state_key:
             state_dir = _download_folder(self.store, row.saved_state_key, self.scratch / "state")
         self.child = Child(env)
-        self.child.call(
+        loaded = self.child.call(
             "load",
             model_path=model_path,
             lora=row.lora,
@@ -190,6 +191,7 @@ class SessionServer(threading.Thread):
             optimizer=row.saved_state_optimizer,
             precision=self.settings.session_precision,
         )
+        self.gradients = bool(loaded.get("gradients"))  # kept by an idle unload
         self.steps = self.saved_steps = row.saved_steps if row.saved_state_key else 0
         self.next_seq_id = row.next_seq_id
         with session_scope(self.settings.db_url) as s:
@@ -259,8 +261,8 @@ class SessionServer(threading.Thread):
         return ok
 
     def _unload(self) -> None:
-        if self.steps != self.saved_steps:
-            self._autosave()
+        if self.steps != self.saved_steps or self.gradients:
+            self._autosave(gradients=self.gradients)
         log.info("session %s: idle, unloaded", self.id)
 
     # -- requests --------------------------------------------------------------------------------------------------
@@ -310,26 +312,27 @@ class SessionServer(threading.Thread):
 
     def _do_forward_backward(self, req: SessionRequest) -> tuple[bytes, str, float | None]:
         answer = self._call(req.kind, payload=req.payload)
+        self.gradients |= req.kind == "forward_backward"
         return answer["result"], answer["format"], answer.get("loss")
 
     _do_forward = _do_forward_backward
 
     def _do_optim_step(self, req: SessionRequest) -> tuple[bytes, str, None]:
         answer = self._call("optim_step", payload=req.payload)
-        self.steps += 1
+        self.steps, self.gradients = self.steps + 1, False
         if self.steps - self.saved_steps >= self.settings.session_autosave_steps:
             self._autosave()
         return answer["result"], answer["format"], None
 
-    def _save_state_to(self, key: str) -> int:
+    def _save_state_to(self, key: str, *, gradients: bool = False) -> int:
         folder = self.scratch / "save"
         shutil.rmtree(folder, ignore_errors=True)
-        self._call("save_state", dir=str(folder))
+        self._call("save_state", dir=str(folder), gradients=gradients)
         return _upload_folder(self.store, folder, key)
 
-    def _autosave(self) -> None:
+    def _autosave(self, *, gradients: bool = False) -> None:
         key = f"{self._prefix()}/autosave/{self.steps:08d}-{int(time.time() * 1000)}"
-        self._save_state_to(key)
+        self._save_state_to(key, gradients=gradients)
         with session_scope(self.settings.db_url) as s:
             previous = repo.set_saved_state(s, id=self.id, key=key, steps=self.steps)
         self.saved_steps = self.steps
@@ -413,6 +416,7 @@ class SessionServer(threading.Thread):
         body = json.loads(req.payload)
         folder = _download_folder(self.store, body["storage_key"], self.scratch / "load")
         self._call("load_state", dir=str(folder), optimizer=body["optimizer"])
+        self.gradients = False  # a load drops them
         shutil.rmtree(folder, ignore_errors=True)
         with session_scope(self.settings.db_url) as s:
             if body["optimizer"]:

@@ -371,6 +371,36 @@ def test_a_saved_state_resumes_exactly_in_a_new_session(
         torch.testing.assert_close(resumed.trainable[n], p, rtol=0, atol=0)
 
 
+def test_waiting_gradients_are_saved_only_when_asked_and_come_back_with_the_optimizer(
+    session: TrainingSession, random_model_dir: Path, tmp_path: Path
+) -> None:
+    """An idle unload between forward_backward and optim_step (gradients=True) loses nothing; a client's save_state
+    carries no gradients."""
+    train_steps(session, 1)
+    session.forward_backward([ce_datum(t, np.ones(len(t))) for t in TOKENS], "cross_entropy", {}, backward=True)
+    assert session.has_gradients()
+    session.save_state(tmp_path / "idle", gradients=True)
+    session.save_state(tmp_path / "client")
+
+    resumed = new_session(random_model_dir)
+    resumed.load_state(tmp_path / "idle", optimizer=True)
+    assert resumed.has_gradients()
+    for n, p in session.trainable.items():
+        assert p.grad is not None
+        torch.testing.assert_close(resumed.trainable[n].grad, p.grad, rtol=0, atol=0)
+    step = AdamParams(learning_rate=1e-2)
+    assert resumed.optim_step(step) == session.optim_step(step)
+    for n, p in session.trainable.items():
+        torch.testing.assert_close(resumed.trainable[n], p, rtol=0, atol=0)
+
+    plain = new_session(random_model_dir)
+    plain.load_state(tmp_path / "client", optimizer=True)
+    assert not plain.has_gradients()
+    without = new_session(random_model_dir)
+    without.load_state(tmp_path / "idle", optimizer=False)  # the optimiser reset: the gradients go with it
+    assert not without.has_gradients()
+
+
 def test_loading_without_the_optimizer_resets_it(
     session: TrainingSession, random_model_dir: Path, tmp_path: Path
 ) -> None:
