@@ -134,6 +134,11 @@ class JobCreate(_Request):
         "range is a 400 naming it. `proxima train` takes the same spec with the same ranges.",
     )
     hyperparameters: dict[str, Any] | None = None
+    resources: dict[str, Any] | None = Field(
+        None,
+        description='(extension) what the job runs on: `{"gpus": N}`, N devices training it data parallel (the online '
+        "RL methods; the deployment's `PROXIMA_MAX_JOB_GPUS` at most). Default one device",
+    )
     integrations: list[Any] | None = Field(
         None,
         description="experiment trackers the worker exports the metrics, rollouts and config to: OpenAI's "
@@ -192,6 +197,10 @@ class FineTuningJob(BaseModel):
     suffix: str | None
     current_step: int
     total_steps: int | None
+    resources: dict[str, Any] = Field(
+        default_factory=lambda: {"gpus": 1},
+        description='(extension) what the job runs on: `{"gpus": N}`, N devices training it data parallel',
+    )
 
     @classmethod
     def from_row(cls, row: Job | Row[Any]) -> FineTuningJob:
@@ -223,6 +232,7 @@ class FineTuningJob(BaseModel):
             suffix=row.suffix,
             current_step=row.current_step or 0,
             total_steps=row.total_steps,
+            resources=row.spec.get("resources") or {"gpus": 1},
         )
 
 

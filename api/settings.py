@@ -123,6 +123,20 @@ class Settings(BaseSettings):
         gt=0,
         description="the largest body of a Tinker request (`/api/v1/`: forward_backward carries token batches)",
     )
+    max_job_gpus: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="the most devices one job may ask for (`resources.gpus`): the largest worker's "
+        "(`PROXIMA_WORKER_DEVICES`); a job asking for more is a 400",
+    )
+    worker_devices: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="devices this worker gives one job (one trainer rank each; on CPUs, processes): it takes jobs "
+        "asking for up to this many. Default: the GPUs it sees (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`), else 1",
+    )
     worker_sessions: int = Field(
         1, ge=0, le=64, description="Tinker training sessions a worker holds at once, beside its jobs (`--concurrency`)"
     )

@@ -429,6 +429,17 @@ class MethodSpec(BaseModel):
         return {"type": self.type, self.type: block}
 
 
+MAX_GPUS = 64
+
+
+class Resources(BaseModel):
+    """What a job runs on: ``gpus`` devices (one rank each, data parallel: ``trainer.distributed``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int = Field(1, ge=1, le=MAX_GPUS)
+
+
 class JobSpec(BaseModel):
     """A training job (design §3)."""
 
@@ -441,6 +452,7 @@ class JobSpec(BaseModel):
     suffix: str | None = Field(None, max_length=64)
     metadata: dict[str, str] | None = None
     method: MethodSpec
+    resources: Resources | None = None  # None: one device
 
     @field_validator("metadata")
     @classmethod
@@ -448,6 +460,11 @@ class JobSpec(BaseModel):
         if v is not None and len(v) > 16:
             raise ValueError("at most 16 metadata pairs")
         return v
+
+    @property
+    def gpus(self) -> int:
+        """How many devices (ranks) the job asked for."""
+        return self.resources.gpus if self.resources is not None else 1
 
     def to_json(self) -> dict[str, Any]:
         out = self.model_dump(mode="json", exclude={"method"}, exclude_none=True)

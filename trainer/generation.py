@@ -111,8 +111,15 @@ class HFRolloutEngine:
         return self.policy, self.precision
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, generator: torch.Generator | None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None,
+        row_seeds: Sequence[int] | None = None,
     ) -> Generation:
+        """Sample one completion per prompt; ``row_seeds`` (one per prompt) instead of ``generator``: each row from
+        its own seed's draws (``trainer.rollout.generate``)."""
         ids, mask = left_pad(prompts, self.pad_id)
         t0 = time.perf_counter()
         model, precision = self.sampling_model()
@@ -131,6 +138,7 @@ class HFRolloutEngine:
             stop_ids=None if params.stop_token_ids is None else sorted(params.stop_token_ids),
             stop_text=stop_text,
             generator=generator,
+            row_seeds=row_seeds,
             precision=precision,
             # greedy decoding (validation) needs none unless asked for
             with_logprobs=(self.exact_logprobs and params.temperature > 0) or params.logprobs,

@@ -52,10 +52,13 @@ from trainer.core_algos import (
 )
 from trainer.critic import build_critic
 from trainer.data import DatasetError, PromptItem, load_prompts, offered_functions
+from trainer.distributed import World
 from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts, thinking_kwargs
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
+from trainer.episodes import Episode
 from trainer.evaluate import (
     GraderMonitor,
+    Scores,
     decode_completions,
     evaluate_engine,
     finish_reasons,
@@ -67,6 +70,7 @@ from trainer.models import Precision, default_device, load_tokenizer, resolve_pr
 from trainer.overoptimisation import OveroptimisationWatch
 from trainer.recipes import RECIPES, Recipe
 from trainer.rl_batch import (
+    SUMMED_ACROSS_RANKS,
     Advantages,
     Batch,
     DrawStats,
@@ -77,7 +81,7 @@ from trainer.rl_batch import (
     batch_metrics,
     rollout_records,
 )
-from trainer.rollout import micro_slices
+from trainer.rollout import Rollout, micro_slices
 from trainer.steps import EngineLoop, validation_due
 from trainer.url_policy import UrlRefused
 
@@ -99,8 +103,10 @@ class RLTrainer(EngineLoop):
         device: torch.device | None = None,
         recipe: Recipe | None = None,
         rollout_engine: RolloutEngineFactory | None = None,
+        world: World | None = None,
     ):
         self.spec, self.out, self.cb = spec, output_dir, callback
+        self.world = world or World()  # data parallel: this rank's place (trainer.distributed)
         assert isinstance(spec.method.hyperparameters, RLHyperparameters)
         assert spec.method.grader is not None, "RL methods have a grader (config._parse_method)"
         self.hp: RLHyperparameters = spec.method.hyperparameters
@@ -112,7 +118,8 @@ class RLTrainer(EngineLoop):
         self.overoptimisation = OveroptimisationWatch(held_out) if held_out else None
         self.last_step = 0  # the step validation_metrics reports for (0 before the first)
         self._load_data()  # everything that can be wrong with the input is checked before any weight is loaded
-        self.device = device or default_device()
+        self._check_world(rollout_engine)
+        self.device = device or self.world.device() or default_device()
         self.precision: Precision = resolve_precision(self.hp.precision, self.device)
         seed_everything(spec.seed)
         self._load_models(rollout_engine)
@@ -250,6 +257,23 @@ class RLTrainer(EngineLoop):
         if self.critic is not None:
             self.engine.extra["critic"] = self.critic
 
+    def _check_world(self, rollout_engine: RolloutEngineFactory | None) -> None:
+        """What data parallel training over several ranks supports, refused before any weight is loaded."""
+        if self.world.size == 1:
+            return
+        if self.spec.method.agent is not None:
+            raise SpecError(
+                "agent (multi-turn) jobs train on one device for now; ask for resources.gpus 1", param="resources.gpus"
+            )
+        if rollout_engine is not None:
+            raise SpecError("data parallel training samples with the built-in engine only", param="resources.gpus")
+        if self.hp.batch_size < self.world.size:
+            raise SpecError(
+                f"batch_size ({self.hp.batch_size}) must be at least resources.gpus ({self.world.size}): each device "
+                "samples whole groups",
+                param="resources.gpus",
+            )
+
     def _check_tool_urls(self) -> None:
         """Each tool server's URL against this process's policy (scheme, and an address given as the host): a
         ``SpecError`` naming the tool before any weight is loaded, rather than every call of the run refused. Names
@@ -308,6 +332,7 @@ class RLTrainer(EngineLoop):
             m |= self.validation_metrics()
         m |= self.grader_monitor.metrics()
         m[M.STEP_SECONDS] = time.perf_counter() - t0
+        m = self.world.broadcast(m)  # rank 0's (its validation): every rank decides alike (best, early stopping)
         self.cb.on_metrics(step, m)
         if self.hp.rollouts_logged and len(batch):
             self.cb.on_rollouts(step, rollout_records(batch, adv.per_row, self.hp.rollouts_logged))
@@ -331,12 +356,51 @@ class RLTrainer(EngineLoop):
             gen, episodes, texts = batch.generation, batch.episodes, batch.texts
             rollout = gen.rollout.to("cpu")
             scores = batch.grade(self.grader, items)
+        elif self.world.launched:  # this rank's block of whole groups, each row from its own seed
+            return self._draw_block(prompts, items)
         else:
             gen = self.rollout_engine.generate(prompts, self.sampling, generator=self.engine.generator)
             rollout = gen.rollout.to("cpu")
             texts = decode_completions(self.tokenizer, rollout)
             scores = grade_batch(self.grader, texts, items, finish_reasons(rollout))
         self.grader_monitor.observe(scores)
+        return self._shape(rollout, items, texts, scores, gen.logprobs, episodes), gen.seconds
+
+    def _draw_block(self, prompts: list[list[int]], items: list[PromptItem]) -> tuple[Samples, float]:
+        """A launched run's draw: this rank samples and grades its block of whole groups, row i from the seed
+        ``base + i`` (``base`` drawn alike on every rank), and every rank gathers every block, in rank order: the
+        same batch as one rank alone would sample, on every rank (``trainer.distributed``)."""
+        g = self.hp.samples_per_prompt
+        gen_device = self.engine.generator.device
+        base = int(torch.randint(0, 2**62, (1,), generator=self.engine.generator, device=gen_device))
+        lo, hi = (g * x for x in self.world.block(len(prompts) // g))
+        assert isinstance(self.rollout_engine, HFRolloutEngine)
+        gen = self.rollout_engine.generate(
+            prompts[lo:hi], self.sampling, generator=None, row_seeds=[base + i for i in range(lo, hi)]
+        )
+        rollout = gen.rollout.to("cpu")
+        texts = decode_completions(self.tokenizer, rollout)
+        scores = grade_batch(self.grader, texts, items[lo:hi], finish_reasons(rollout))
+        logp = gen.logprobs.cpu() if gen.logprobs is not None else None
+        blocks = self.world.gather((self._shape(rollout, items[lo:hi], texts, scores, logp, None), scores))
+        for _, block_scores in blocks:
+            self.grader_monitor.observe(block_scores)
+        samples = Samples.concat([b for b, _ in blocks], self.tokenizer.pad_token_id)
+        if samples.sampling_logp is not None:
+            samples.sampling_logp = samples.sampling_logp.to(self.device)
+        return samples, gen.seconds
+
+    def _shape(
+        self,
+        rollout: Rollout,
+        items: list[PromptItem],
+        texts: list[str],
+        scores: Scores,
+        sampling_logp: Tensor | None,
+        episodes: list[Episode] | None,
+    ) -> Samples:
+        """The graded rows with their shaped reward (clipped; the overlong penalty where the recipe has it)."""
+        hp = self.hp
         shaped = scores.rewards.clone()
         if hp.reward_clip is not None:
             shaped = shaped.clamp(-hp.reward_clip, hp.reward_clip)
@@ -345,7 +409,7 @@ class RLTrainer(EngineLoop):
             shaped += overlong_penalty(
                 rollout.lengths, max_tokens=hp.max_completion_tokens, buffer=buffer, factor=factor
             )
-        return Samples(rollout, items, texts, shaped, scores.rewards, scores.sub, gen.logprobs, episodes), gen.seconds
+        return Samples(rollout, items, texts, shaped, scores.rewards, scores.sub, sampling_logp, episodes)
 
     def collect(self) -> Batch:
         """Draw until the batch holds ``batch_size`` groups; with dynamic sampling, groups whose rewards are all equal
@@ -388,31 +452,48 @@ class RLTrainer(EngineLoop):
         hp, ro = self.hp, batch.rollout
         pmask = ro.policy_mask
         kl_in_reward = self.recipe.kl_placement == "reward" and hp.beta > 0
-        if self.critic is not None and self.trunk:  # the policy's pass yields V_old too: no critic pass
-            batch.old_logp, batch.values = self.critic.rollout_logprobs_and_values(
-                ro, temperature=hp.temperature, precision=self.precision, micro_batch_size=hp.micro_batch_size
+        critic, mbs = self.critic, hp.micro_batch_size
+        if critic is not None and self.trunk:  # the policy's pass yields V_old too: no critic pass
+            batch.old_logp, batch.values = self._by_rank(
+                ro,
+                lambda part: critic.rollout_logprobs_and_values(
+                    part, temperature=hp.temperature, precision=self.precision, micro_batch_size=mbs
+                ),
             )
         elif not self.on_policy or kl_in_reward:
             if self.rollout_engine.exact_logprobs and batch.samples.sampling_logp is not None:
                 batch.old_logp = batch.samples.sampling_logp.to(self.device) * pmask  # exact: no policy pass
             else:
-                batch.old_logp = self.engine.logprobs(
-                    ro, temperature=hp.temperature, micro_batch_size=hp.micro_batch_size
+                (batch.old_logp,) = self._by_rank(
+                    ro, lambda part: (self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs),)
                 )
         if hp.beta > 0:
-            batch.ref_logp = self.engine.logprobs(
-                ro, temperature=hp.temperature, micro_batch_size=hp.micro_batch_size, reference=True
+            (batch.ref_logp,) = self._by_rank(
+                ro,
+                lambda part: (
+                    self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs, reference=True),
+                ),
             )
-        if self.critic is not None:
+        if critic is not None:
             if not self.trunk:
-                batch.values = self.critic.rollout_values(
-                    ro, precision=self.precision, micro_batch_size=hp.micro_batch_size
+                (batch.values,) = self._by_rank(
+                    ro, lambda part: (critic.rollout_values(part, precision=self.precision, micro_batch_size=mbs),)
                 )
             batch.token_rewards = self._token_rewards(batch)
         elif kl_in_reward:  # RLOO, REINFORCE: −β·Σ_t KL_t joins the sequence's reward
             assert batch.old_logp is not None and batch.ref_logp is not None
             seq_kl = masked_sum(self.kl(batch.old_logp, batch.ref_logp), pmask, dim=-1)
             batch.samples.rewards = batch.samples.rewards - hp.beta * seq_kl.cpu()
+
+    def _by_rank(self, ro: Rollout, fn: Callable[[Rollout], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+        """``fn``'s per-row results [N, …] over the batch: on several ranks each computes its block of rows and
+        the blocks are gathered (every rank gets them all)."""
+        if self.world.size == 1:
+            return fn(ro)
+        lo, hi = self.world.block(len(ro))
+        mine = fn(ro.select(torch.arange(lo, hi, device=ro.prompt_ids.device)))
+        blocks = self.world.gather(tuple(t.cpu() for t in mine))
+        return tuple(torch.cat([b[i] for b in blocks]).to(self.device) for i in range(len(mine)))
 
     def _token_rewards(self, batch: Batch) -> Tensor:
         """PPO's per-token rewards: the score on the last policy token, −β·KL on each (optionally whitened)."""
@@ -484,11 +565,18 @@ class RLTrainer(EngineLoop):
             for mb in torch.tensor_split(perm, min(hp.mini_batches, n)):
                 scale = LossScale(float(batch.loss_mask[mb].sum()), len(mb), hp.max_completion_tokens)
                 self.engine.zero_grad()
-                for sl in micro_slices(len(mb), hp.micro_batch_size):
-                    sums.add(self._micro_batch(batch, adv, mb[sl], scale, first_pass=it == 0))
+                lo, hi = self.world.block(len(mb))  # this rank's share, against the whole mini-batch's totals
+                mine = mb[lo:hi]
+                for sl in micro_slices(len(mine), hp.micro_batch_size):
+                    sums.add(self._micro_batch(batch, adv, mine[sl], scale, first_pass=it == 0))
+                self.world.sum_gradients([p for group in self.engine.groups for p in group.params])
                 norms = self.engine.optim_step()
                 sums.grad_norm += norms[0]
                 sums.optimizer_steps += 1
+        if self.world.size > 1:  # each rank summed its share: the step's sums are the ranks' sums
+            totals = self.world.sum_floats([float(getattr(sums, f)) for f in SUMMED_ACROSS_RANKS])
+            for f, v in zip(SUMMED_ACROSS_RANKS, totals, strict=True):
+                setattr(sums, f, v)
         return self._update_metrics(batch, adv, sums, train_s=time.perf_counter() - t0)
 
     def _micro_batch(self, batch: Batch, adv: Advantages, idx: Tensor, scale: LossScale, *, first_pass: bool) -> Sums:
@@ -570,7 +658,12 @@ class RLTrainer(EngineLoop):
     # -- log -------------------------------------------------------------------------------------------------------
 
     def validation_metrics(self) -> dict[str, float]:
-        """Greedy mean reward on the validation prompts (and per named sub-grader)."""
+        """Greedy mean reward on the validation prompts (and per named sub-grader); rank 0's, on every rank."""
+        if self.world.launched and self.world.size > 1:
+            return self.world.broadcast(self._validation_metrics() if self.world.main else {})
+        return self._validation_metrics()
+
+    def _validation_metrics(self) -> dict[str, float]:
         self.rollout_engine.push_weights(self.model, self.engine.weights_version)
         greedy = SamplingParams(self.hp.max_completion_tokens, temperature=0.0)
         out: dict[str, float] = {}

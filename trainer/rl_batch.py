@@ -162,6 +162,11 @@ class Sums:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
+SUMMED_ACROSS_RANKS = tuple(
+    f.name for f in fields(Sums) if f.name not in ("grad_norm", "optimizer_steps")
+)  # each rank's share of a step; the gradient norm and step count are every rank's alike
+
+
 @dataclass(frozen=True)
 class Advantages:
     per_row: Tensor  # [N] or [N, C] on the training device

@@ -110,9 +110,17 @@ MIN_TEMPERATURE = 1e-4
 """Temperatures below this sample as this: the scaled logits stay finite in float32 (|z| < 1e4 · 3.4e34)."""
 
 
-def _sample_next(logits: Tensor, *, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
+def _sample_next(
+    logits: Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    uniform: Tensor | None = None,
+) -> Tensor:
     """One token per row from logits [N, V]: greedy at temperature 0, else softmax(z/T) restricted to the top-p
-    nucleus."""
+    nucleus. ``uniform`` [N] (one U(0, 1) draw per row) samples each row by inverting its distribution's CDF instead
+    of drawing from ``generator``: a row's token then depends on its own draw alone, not on the batch it is in."""
     if temperature == 0.0:
         return logits.argmax(-1)
     # A temperature so small that z/T overflows float32 would make softmax NaN: below MIN_TEMPERATURE the
@@ -123,9 +131,24 @@ def _sample_next(logits: Tensor, *, temperature: float, top_p: float, generator:
         outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix whose mass reaches top_p
         outside[..., 0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32 keeps it)
         sorted_p = sorted_p.masked_fill(outside, 0.0)
-        choice = torch.multinomial(sorted_p, 1, generator=generator).squeeze(-1)
+        choice = _draw(sorted_p, generator, uniform)
         return order.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _draw(probs, generator, uniform)
+
+
+def _draw(weights: Tensor, generator: torch.Generator | None, uniform: Tensor | None) -> Tensor:
+    """An index per row of ``weights`` [N, V] (non-negative, unnormalised) in proportion to them."""
+    if uniform is None:
+        return torch.multinomial(weights, 1, generator=generator).squeeze(-1)
+    cdf = weights.double().cumsum(-1)
+    target = uniform.to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]  # in [0, total): never past the last positive weight
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=weights.shape[-1] - 1)
+
+
+def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device) -> Tensor:
+    """[N, steps] U(0, 1) draws, row i's from its own generator seeded with ``seeds[i]``."""
+    rows = [torch.rand(steps, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64) for s in seeds]
+    return torch.stack(rows).to(device) if rows else torch.zeros((0, steps), dtype=torch.float64, device=device)
 
 
 def top_k_logits(logits: Tensor, k: int) -> Tensor:
@@ -152,6 +175,7 @@ def generate(
     stop_ids: Sequence[int] | None = None,
     stop_text: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
+    row_seeds: Sequence[int] | None = None,
     precision: Precision = "fp32",
     with_logprobs: Literal[False] = False,
 ) -> Rollout: ...
@@ -173,6 +197,7 @@ def generate(
     stop_ids: Sequence[int] | None = None,
     stop_text: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
+    row_seeds: Sequence[int] | None = None,
     precision: Precision = "fp32",
     with_logprobs: Literal[True],
 ) -> tuple[Rollout, Tensor]: ...
@@ -194,6 +219,7 @@ def generate(
     stop_ids: Sequence[int] | None = None,
     stop_text: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
+    row_seeds: Sequence[int] | None = None,
     precision: Precision = "fp32",
     with_logprobs: bool,
 ) -> Rollout | tuple[Rollout, Tensor]: ...
@@ -215,6 +241,7 @@ def generate(
     stop_ids: Sequence[int] | None = None,
     stop_text: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
+    row_seeds: Sequence[int] | None = None,
     precision: Precision = "fp32",
     with_logprobs: bool = False,
 ) -> Rollout | tuple[Rollout, Tensor]:
@@ -225,7 +252,8 @@ def generate(
     none) are the tokens that end a row, included in its completion; ``stop_text`` is asked after each token of a
     running row whether the row's tokens so far end it (stop strings). ``top_k`` > 0 samples among the k likeliest
     tokens only (applied before top-p). A row that ended is not ``truncated``; one that ran to
-    ``max_new_tokens`` is.
+    ``max_new_tokens`` is. ``row_seeds`` (one per row) replace ``generator``: each row samples from draws of its own
+    seed (:func:`row_uniforms`), so that it samples the same tokens in any batch (a data parallel run's shards).
 
     ``with_logprobs`` also returns log π(o_t | q, o_<t) of each sampled token, [N, C] fp32 (0 past a row's end):
     the model's T-scaled log-softmax at sampling time, before EOS is held off and before the top-p cut, i.e. what
@@ -250,12 +278,19 @@ def generate(
     past, logits = step.past_key_values, step.logits[:, -1]
     pos = position_ids(mask)[:, -1:]
     logps = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device) if with_logprobs else None
+    uniforms = None if row_seeds is None else row_uniforms(row_seeds, max_new_tokens, device)
     for t in range(max_new_tokens):
         policy_logits = logits
         if t < min_new_tokens:
             logits = logits.clone()
             logits[:, eos_id] = float("-inf")
-        tok = _sample_next(top_k_logits(logits, top_k), temperature=temperature, top_p=top_p, generator=generator)
+        tok = _sample_next(
+            top_k_logits(logits, top_k),
+            temperature=temperature,
+            top_p=top_p,
+            generator=generator,
+            uniform=None if uniforms is None else uniforms[:, t],
+        )
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         out[:, t] = tok
         if logps is not None:

@@ -20,6 +20,7 @@ from peft import PeftModel
 from trainer import checkpoint as ckpt
 from trainer.callbacks import Callback
 from trainer.config import Hyperparameters, JobSpec
+from trainer.distributed import World
 from trainer.engine import Engine
 
 INITIAL_ADAPTER = "initial_adapter"  # the adapter before any step, kept when keep_best may choose the base model
@@ -42,6 +43,7 @@ class StepLoop(Protocol):
     cb: Callback
     spec: JobSpec
     total_steps: int
+    world: World  # data parallel: rank 0 alone writes (checkpoints, the final adapter, best.json)
 
     @property
     def precision(self) -> str: ...
@@ -50,8 +52,8 @@ class StepLoop(Protocol):
         """Restore a checkpoint's trainer state; returns its step."""
         ...
 
-    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
-        """Write a checkpoint of ``step`` (and tell the callback)."""
+    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint | None:
+        """Write a checkpoint of ``step`` (and tell the callback); None on a rank that does not write."""
         ...
 
     def step(self, step: int) -> dict[str, float]:
@@ -86,6 +88,7 @@ class EngineLoop:
     hp: Hyperparameters
     engine: Engine
     total_steps: int
+    world: World = World()
 
     def has_validation_data(self) -> bool:
         raise NotImplementedError
@@ -100,6 +103,8 @@ class EngineLoop:
         )
 
     def save_adapter(self, path: Path) -> None:
+        if not self.world.main:
+            return
         assert isinstance(self.engine.model, PeftModel)
         ckpt.save_adapter(self.engine.model, path)
         self.on_saved(0, path)
@@ -107,7 +112,9 @@ class EngineLoop:
     def load_state(self, state: dict[str, Any]) -> int:
         return self.engine.load_state(state)
 
-    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint:
+    def save(self, step: int, metrics: dict[str, float]) -> ckpt.Checkpoint | None:
+        if not self.world.main:  # the ranks' states are equal: rank 0's checkpoint is every rank's
+            return None
         c = self.engine.save_checkpoint(self.out, step=step, spec=self.spec.to_json(), metrics=metrics)
         self.on_saved(step, c.adapter_dir)
         self.cb.on_checkpoint(step, c.path, metrics)
@@ -198,7 +205,7 @@ def run_steps(
         if new_best or step % checkpoint_interval == 0 or step == loop.total_steps:
             loop.save(step, last_metrics)
             last_saved = step
-        if best is not None:
+        if best is not None and loop.world.main:
             best.write(loop.out)  # after the checkpoint it may name
             if best.exhausted(step, loop.total_steps):
                 cb.on_event(
@@ -210,6 +217,8 @@ def run_steps(
                 if last_saved != step:
                     loop.save(step, last_metrics)
                 break
+    if not loop.world.main:  # rank 0 writes the result
+        return RunResult(step, loop.total_steps, False, None, last_metrics)
     adapter = loop.out / "adapter"
     shutil.rmtree(adapter, ignore_errors=True)
     kept, kept_step = _result_adapter(loop, best, step, last_metrics)
@@ -239,7 +248,7 @@ def _validate_first(loop: StepLoop, best: BestCheckpoint | None) -> None:
     """The starting point of the validation curve; with ``best``, the base model as the first candidate."""
     first = loop.validation_metrics()
     loop.cb.on_metrics(0, first)
-    if best is not None and best.observe(0, first):
+    if best is not None and best.observe(0, first) and loop.world.main:
         loop.save_adapter(loop.out / INITIAL_ADAPTER)
         best.write(loop.out)
 

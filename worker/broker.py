@@ -49,18 +49,21 @@ def job_id_of(raw: str | bytes | dict[str, Any]) -> str | None:
         return None
 
 
-def held_job_ids(app: Celery, *, reserved_grace_s: float, at: float | None = None) -> set[str] | None:
-    """Ids of the jobs with a message in the default queue, or handed to a worker less than ``reserved_grace_s``
-    ago; None when this broker's contents cannot be read."""
+def held_job_ids(
+    app: Celery, *, reserved_grace_s: float, at: float | None = None, queues: list[str] | None = None
+) -> set[str] | None:
+    """Ids of the jobs with a message in ``queues`` (default: the default queue; jobs of several devices wait in
+    queues of their size, ``api.tasks.queue_for``), or handed to a worker less than ``reserved_grace_s`` ago; None
+    when this broker's contents cannot be read."""
     at = time.time() if at is None else at
-    queue = app.conf.task_default_queue
+    queues = queues or [app.conf.task_default_queue]
     with app.connection_for_read() as conn:
         driver = conn.transport.driver_type
         channel: Any = conn.default_channel
         if driver == "redis":
-            return _redis(channel, queue, reserved_since=at - reserved_grace_s)
+            return _redis(channel, queues, reserved_since=at - reserved_grace_s)
         if driver == "sql":
-            return _sqlalchemy(channel, queue)
+            return set().union(*(_sqlalchemy(channel, q) for q in queues))
     return None
 
 
@@ -68,10 +71,10 @@ def _ids(raws: Iterable[str | bytes | dict[str, Any]]) -> set[str]:
     return {job_id for raw in raws if (job_id := job_id_of(raw)) is not None}
 
 
-def _redis(channel: Any, queue: str, *, reserved_since: float) -> set[str]:
+def _redis(channel: Any, queues: list[str], *, reserved_since: float) -> set[str]:
     client = channel.client
     with client.pipeline() as pipe:
-        for key in dict.fromkeys(channel._q_for_pri(queue, pri) for pri in channel.priority_steps):
+        for key in dict.fromkeys(channel._q_for_pri(q, pri) for q in queues for pri in channel.priority_steps):
             pipe.lrange(key, 0, -1)
         pipe.zrangebyscore(channel.unacked_index_key, reserved_since, "+inf")
         *lists, recent = pipe.execute()

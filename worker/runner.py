@@ -29,6 +29,7 @@ stdin's end reach it. The worker fault tests set it on the workers they start; n
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -139,8 +140,18 @@ def summary(err: BaseException) -> str:
     return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
 
 
-def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any:
+def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress, world: Any) -> Any:
+    """Rank 0's callback talks to the parent; another rank's says nothing. Every rank asks rank 0 whether to stop, at
+    the same step boundary (a collective: they stop together)."""
     from trainer.callbacks import BaseCallback, Level
+
+    if not world.main:
+
+        class QuietRank(BaseCallback):
+            def should_stop(self) -> bool:
+                return bool(world.broadcast(False))
+
+        return QuietRank()
 
     class ParentCallback(BaseCallback):
         def on_event(self, level: Level, message: str, data: dict[str, Any] | None = None) -> None:
@@ -157,7 +168,7 @@ def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress) -> Any
             pipe.send(msg.Checkpoint(step=step, path=str(path), metrics=dict(metrics)))
 
         def should_stop(self) -> bool:
-            return stop.is_set()
+            return bool(world.broadcast(stop.is_set()))
 
     return ParentCallback()
 
@@ -172,8 +183,20 @@ def _watch_stdin(stop: threading.Event, pipe: Pipe, progress: Progress) -> None:
     os._exit(EXIT_ORPHANED)  # the parent is gone: nobody would record what we train
 
 
+def peer_failed(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another rank died (gloo: its connection reset or closed):
+    that rank's failure, or the launcher's account of it, is the job's error, not this one."""
+    import torch.distributed as dist
+
+    text = str(err)
+    return isinstance(err, dist.DistError) or (
+        isinstance(err, RuntimeError) and "gloo" in text and ("by peer" in text or "Connection" in text)
+    )
+
+
 def main(run_dir: Path) -> int:
     die_with_parent()
+    rank = int(os.environ.get("RANK", "0"))  # set by the launcher (worker.launch) for a job on several devices
     remote_graders = os.environ.pop(REMOTE_GRADERS_ENV, None)
     if os.environ.get(HANG_ENV) == "start":
         _hang_as_if_stuck()
@@ -182,12 +205,14 @@ def main(run_dir: Path) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     stop, progress = threading.Event(), Progress()
-    threading.Thread(target=_watch_stdin, args=(stop, pipe, progress), daemon=True, name="control").start()
+    if rank == 0:  # the parent's control channel is rank 0's; the other ranks hear of a stop from it
+        threading.Thread(target=_watch_stdin, args=(stop, pipe, progress), daemon=True, name="control").start()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
     try:
         from transformers.utils import logging as hf_logging
 
+        from trainer import distributed
         from trainer.config import parse_spec
         from trainer.evaluate import configure_remote
         from trainer.models import ModelError
@@ -198,15 +223,24 @@ def main(run_dir: Path) -> int:
         if remote_graders is not None:
             configure_remote(RemoteConfig.model_validate_json(remote_graders))
         spec = parse_spec(json.loads((run_dir / "spec.json").read_text()))
+        world = distributed.from_environment()
+        distributed.initialise(world)
         try:
-            trainer = build_trainer(spec, output_dir=run_dir, callback=_make_callback(pipe, stop, progress))
+            trainer = build_trainer(
+                spec, output_dir=run_dir, callback=_make_callback(pipe, stop, progress, world), world=world
+            )
         except OSError as err:  # the datasets are local files the worker wrote: this is the model or its tokenizer
             raise ModelError(f"cannot load model {spec.model!r}: {err}") from err
-        pipe.send(msg.Started(total_steps=trainer.total_steps))
+        if rank == 0:
+            pipe.send(msg.Started(total_steps=trainer.total_steps))
         result = trainer.run(resume=True)
     except BaseException as err:
         traceback.print_exc()
         sys.stderr.flush()
+        if "WORLD_SIZE" in os.environ:
+            with contextlib.suppress(Exception):
+                if peer_failed(err):  # another rank's death: the launcher reports it
+                    return EXIT_ERROR
         code = _safe_error_code(err)
         if code is None:  # not one of the trainer's typed errors: a bug, or a value the trainer did not expect
             pipe.send(msg.Error(code=ErrorCode.TRAINER_ERROR, message=summary(err), step=progress.last_step))
@@ -223,6 +257,8 @@ def main(run_dir: Path) -> int:
                 )
             )
         return EXIT_ERROR
+    if rank != 0:
+        return 0
     pipe.send(
         msg.Done(
             stopped=result.stopped,

@@ -30,7 +30,7 @@ from api.repositories import runs
 from api.services.cleanup import clean_orphans
 from api.settings import Settings
 from api.storage import store_from_url
-from api.tasks import RUN_JOB
+from api.tasks import RUN_JOB, queue_for, queues_of
 from worker.broker import held_job_ids
 from worker.outbox import is_transient
 
@@ -46,18 +46,21 @@ def sweep_once(app: Celery, settings: Settings, *, queued_grace_seconds: float =
     with session_scope(settings.db_url) as s:
         for job_id, status in runs.settle_abandoned(s, grace_seconds=settings.lease_seconds):
             log.info("job %s: its worker died after a stop was requested; ended %s", job_id, status)
+    largest = max(settings.max_job_gpus, settings.worker_devices or 1)  # the job sizes whose queues are read
     try:  # read before the jobs: a message taken in between belongs to a job claimed by the time they are read
-        held = held_job_ids(app, reserved_grace_s=queued_grace_seconds)
+        held = held_job_ids(app, reserved_grace_s=queued_grace_seconds, queues=queues_of(largest))
     except Exception:
         log.warning("could not read the broker's queue; re-sending every waiting job", exc_info=True)
         held = None
     with session_scope(settings.db_url) as s:
         expired = runs.expired_jobs(s, grace_seconds=settings.lease_seconds)
         waiting = runs.waiting_jobs(s, grace_seconds=queued_grace_seconds)
-    lost = [job_id for job_id in waiting if held is None or job_id not in held]
+        gpus = runs.job_gpus(s, job_ids=expired + waiting)
+    # (a job larger than the queues read cannot be told held: it is sent again, which its lease makes harmless)
+    lost = [j for j in waiting if held is None or j not in held or gpus.get(j, 1) > largest]
     sent = []
     for job_id in expired + lost:
-        app.send_task(RUN_JOB, args=[job_id])
+        app.send_task(RUN_JOB, args=[job_id], queue=queue_for(gpus.get(job_id, 1)))
         with session_scope(settings.db_url) as s:
             runs.mark_enqueued(s, job_id=job_id)
         why = "its worker died" if job_id in expired else "its message was lost"

@@ -263,6 +263,9 @@ class _Runner:
         self.stop_reason: str | None = None
         self.redactor = Redactor({})
         self.trackers = trackers.Exporter([], job_id=attempt.job_id)  # run() starts the job's integrations
+        # A job that asks for devices runs as that many ranks under the launcher (worker.launch), even one.
+        resources = attempt.spec.get("resources")
+        self.ranks = int(resources.get("gpus", 1)) if isinstance(resources, dict) else None
 
     def _db(self, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -463,7 +466,9 @@ class _Runner:
 
     def _supervise(self, heartbeat: Heartbeat) -> str | _KilledBySomeoneElse:
         remote = graders_service.remote_config(self.settings).model_dump_json()  # judge and embeddings keys included
-        trainer = TrainerProcess(self.run_dir, stop_grace_s=self.stop_grace_s, env={REMOTE_GRADERS_ENV: remote})
+        trainer = TrainerProcess(
+            self.run_dir, stop_grace_s=self.stop_grace_s, env={REMOTE_GRADERS_ENV: remote}, ranks=self.ranks
+        )
         outbox = Outbox(may_write=heartbeat.holds)
         final: msg.Done | msg.Error | None = None
         next_poll = 0.0

@@ -48,15 +48,20 @@ class Ended(Exception):
 
 
 class TrainerProcess:
-    def __init__(self, run_dir: Path, *, stop_grace_s: float, env: Mapping[str, str] | None = None) -> None:
-        """Start `python -m worker.runner RUN_DIR`; `env`: variables added to this process's for it (the remote
-        graders' configuration, with its API keys: in the environment, never on the command line, which any user of
-        the machine can read)."""
+    def __init__(
+        self, run_dir: Path, *, stop_grace_s: float, env: Mapping[str, str] | None = None, ranks: int | None = None
+    ) -> None:
+        """Start `python -m worker.runner RUN_DIR` (with `ranks`: `python -m worker.launch RANKS RUN_DIR`, that many
+        ranks of it under torch's launcher, one per device); `env`: variables added to this process's for it (the
+        remote graders' configuration, with its API keys: in the environment, never on the command line, which any
+        user of the machine can read)."""
         self.stop_grace_s = stop_grace_s
         self.stderr_path = run_dir / "stderr.log"
         with self.stderr_path.open("ab") as err_file:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "worker.runner", str(run_dir)],
+                [sys.executable, "-m", "worker.runner", str(run_dir)]
+                if ranks is None
+                else [sys.executable, "-m", "worker.launch", str(ranks), str(run_dir)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err_file,

@@ -23,6 +23,7 @@ from api import ids
 from api.orm import Checkpoint, File, Job, JobEvent, JobMetric, Rollout, now
 from api.repositories import webhooks
 from api.status import CLAIMABLE, LEASED, TERMINAL_STATUSES, WAITING, JobStatus
+from api.tasks import gpus_of
 
 
 def _lease_free(at: float) -> Any:
@@ -322,6 +323,14 @@ def expired_jobs(session: Session, *, grace_seconds: float, at: float | None = N
         .limit(limit)
     )
     return list(session.scalars(q))
+
+
+def job_gpus(session: Session, *, job_ids: list[str]) -> dict[str, int]:
+    """How many devices each job asks for (its spec's ``resources.gpus``: its queue, ``api.tasks.queue_for``)."""
+    if not job_ids:
+        return {}
+    rows = session.execute(select(Job.id, Job.spec).where(Job.id.in_(job_ids)))
+    return {job_id: gpus_of(spec or {}) for job_id, spec in rows}
 
 
 def waiting_jobs(session: Session, *, grace_seconds: float, at: float | None = None, limit: int = 100) -> list[str]:

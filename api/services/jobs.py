@@ -39,7 +39,7 @@ from api.settings import Settings
 from api.status import NOT_STARTED, TERMINAL_STATUSES, WAITING, JobStatus
 from api.storage import ArtifactStore
 from api.storage import NotFound as ArtifactNotFound
-from api.tasks import RUN_JOB
+from api.tasks import RUN_JOB, gpus_of, queue_for
 from trainer.config import JobSpec, SpecError, parse_spec
 
 log = logging.getLogger("proxima.api.jobs")
@@ -66,10 +66,11 @@ def celery_client(broker_url: str) -> Celery:
     return app
 
 
-def enqueue(*, settings: Settings, job_id: str) -> bool:
-    """Publish the job's wake-up call; False (and a warning) when the broker cannot be reached."""
+def enqueue(*, settings: Settings, job_id: str, gpus: int = 1) -> bool:
+    """Publish the job's wake-up call, in the queue of its size (``api.tasks.queue_for``); False (and a warning)
+    when the broker cannot be reached."""
     try:
-        celery_client(settings.celery_broker_url).send_task(RUN_JOB, args=[job_id])
+        celery_client(settings.celery_broker_url).send_task(RUN_JOB, args=[job_id], queue=queue_for(gpus))
     except Exception as err:  # any broker failure: the sweeper re-enqueues queued jobs from the database
         log.warning(
             "could not enqueue job %s (%s: %s); it stays queued for the sweeper", job_id, type(err).__name__, err
@@ -87,7 +88,7 @@ def _commit_and_enqueue(*, session: Session, settings: Settings, job: Job) -> No
     only logged (the sweeper then sends one more wake-up, which the database's lease makes harmless); the request's
     session, and the job the answer is built from, stay as committed."""
     session.commit()
-    if not enqueue(settings=settings, job_id=job.id):
+    if not enqueue(settings=settings, job_id=job.id, gpus=gpus_of(job.spec)):
         return
     try:
         with session_scope(settings.db_url) as s:
@@ -103,7 +104,7 @@ def _spec_input(body: JobCreate) -> dict[str, Any]:
     """The body as ``parse_spec`` takes it: OpenAI's deprecated top-level ``hyperparameters`` moved under the
     method, a random seed when none is given (as OpenAI does); ``integrations`` are not the trainer's (``create``)."""
     raw: dict[str, Any] = {"model": body.model, "training_file": body.training_file}
-    for name in ("validation_file", "suffix", "metadata", "method"):
+    for name in ("validation_file", "suffix", "metadata", "method", "resources"):
         if (value := getattr(body, name)) is not None:
             raw[name] = value
     raw["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)
@@ -228,6 +229,23 @@ def validated_spec(
         spec = parse_spec(_spec_input(body))
     except SpecError as err:
         raise InvalidRequest(str(err), param=err.param, code="invalid_spec") from None
+    if spec.gpus > settings.max_job_gpus:
+        raise InvalidRequest(
+            f"this deployment runs a job on at most {settings.max_job_gpus} device"
+            f"{'s' if settings.max_job_gpus > 1 else ''} (PROXIMA_MAX_JOB_GPUS); asked for {spec.gpus}",
+            param="resources.gpus",
+            code="invalid_spec",
+        )
+    if spec.gpus > 1 and spec.method.data_format != "prompts":
+        raise InvalidRequest(
+            f"{spec.method.type} trains on one device for now (data parallel training runs the online RL methods)",
+            param="resources.gpus",
+            code="invalid_spec",
+        )
+    if spec.gpus > 1 and spec.method.agent is not None:
+        raise InvalidRequest(
+            "agent (multi-turn) jobs train on one device for now", param="resources.gpus", code="invalid_spec"
+        )
     if spec.model not in settings.base_models:
         raise InvalidRequest(
             f"model {spec.model!r} is not available; offered: {', '.join(settings.base_models)}",
@@ -255,6 +273,13 @@ def validated_spec(
         _check_dataset_file(session, tenant=tenant, file_id=spec.validation_file, param="validation_file")
     created_data = _fit_lengths(spec, spec_json, settings=settings, body=body)
     hp = type(spec.method.hyperparameters).model_validate(spec_json["method"][spec.method.type]["hyperparameters"])
+    if spec.gpus > hp.batch_size:  # each device samples whole groups
+        raise InvalidRequest(
+            f"batch_size ({hp.batch_size}) must be at least resources.gpus ({spec.gpus}): each device samples whole "
+            "groups",
+            param="resources.gpus",
+            code="invalid_spec",
+        )
     spec = spec.model_copy(update={"method": spec.method.model_copy(update={"hyperparameters": hp})})
     return spec, spec_json, created_data
 

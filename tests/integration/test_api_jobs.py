@@ -45,6 +45,7 @@ JOB_FIELDS = {
     "suffix",
     "current_step",
     "total_steps",
+    "resources",
 }
 
 

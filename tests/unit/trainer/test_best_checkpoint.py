@@ -15,6 +15,7 @@ from trainer import metrics as M
 from trainer.callbacks import BaseCallback, Level
 from trainer.config import SpecError, parse_spec
 from trainer.data import parse_preference_line
+from trainer.distributed import World
 from trainer.encoding import EncodedPair
 from trainer.overoptimisation import DROP, OveroptimisationWatch
 from trainer.preference import held_out
@@ -40,6 +41,7 @@ class ScriptedLoop:
     holding the step it was saved at."""
 
     precision = "fp32"
+    world = World()
 
     def __init__(self, out: Path, values: dict[int, float], *, total: int, every: int) -> None:
         self.out, self.cb, self.total_steps, self.values, self.every = out, Recorder(), total, values, every

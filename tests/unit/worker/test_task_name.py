@@ -18,8 +18,8 @@ def test_the_sweeper_enqueues_by_that_name(monkeypatch: Any) -> None:
     sent: list[tuple[str, list[str]]] = []
 
     class App:
-        def send_task(self, name: str, args: list[str]) -> None:
-            sent.append((name, args))
+        def send_task(self, name: str, args: list[str], queue: str) -> None:
+            sent.append((name, args, queue))
 
     class Session:
         def __enter__(self) -> Session:
@@ -34,10 +34,13 @@ def test_the_sweeper_enqueues_by_that_name(monkeypatch: Any) -> None:
     monkeypatch.setattr(sweeper.runs, "expired_jobs", lambda s, **kw: [])
     monkeypatch.setattr(sweeper.runs, "waiting_jobs", lambda s, **kw: ["ftjob-a"])
     monkeypatch.setattr(sweeper.runs, "mark_enqueued", lambda s, job_id: None)
+    monkeypatch.setattr(sweeper.runs, "job_gpus", lambda s, job_ids: {"ftjob-a": 1})
 
     class Settings:
         db_url = "sqlite://"
         lease_seconds = 30.0
+        max_job_gpus = 1
+        worker_devices = None
 
     assert sweeper.sweep_once(App(), Settings()) == ["ftjob-a"]  # type: ignore[arg-type]
-    assert sent == [("proxima.jobs.run", ["ftjob-a"])]
+    assert sent == [("proxima.jobs.run", ["ftjob-a"], "celery")]

@@ -1,0 +1,137 @@
+"""Data parallel training (``trainer.distributed``) through the worker's launcher (``worker.launch``, torch's elastic
+launcher with the gloo backend on CPUs): two ranks train exactly what one does on the same global batch, and a
+killed rank fails the attempt the way a killed trainer does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.e2e.test_rl_loop import make_spec
+from trainer import metrics as M
+from worker import messages as msg
+from worker.trainer_process import Ended, TrainerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def run_ranks(run_dir: Path, spec: dict[str, Any], ranks: int, *, timeout: float = 600) -> list[Any]:
+    """Run the spec's trainer as ``ranks`` ranks the way the worker does; its messages, in order."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    trainer = TrainerProcess(run_dir, stop_grace_s=30, ranks=ranks)
+    messages: list[Any] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                m = trainer.get(timeout=0.5)
+            except Ended:
+                break
+            if m is not None:
+                messages.append(m)
+        rc = trainer.close()
+    finally:
+        trainer.kill()
+    assert rc == 0, (rc, [m for m in messages if isinstance(m, msg.Error)], trainer.stderr_tail(40))
+    return messages
+
+
+def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("method", ["grpo", "ppo"])
+def test_two_ranks_train_what_one_does_on_the_same_global_batch(
+    method: str, random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    hp: dict[str, Any] = {"max_steps": 3, "batch_size": 4, "group_size": 3, "beta": 0.05, "mini_batches": 2,
+                          "micro_batch_size": 2, "checkpoint_interval": 3, "eval_interval": 0}  # fmt: skip
+    spec = make_spec(random_model_dir, arithmetic_data, method, **hp)
+    runs = {n: run_ranks(tmp_path / f"ranks-{n}", spec | {"resources": {"gpus": n}}, n) for n in (1, 2)}
+    metrics = {n: {m.step: m.metrics for m in ms if isinstance(m, msg.Metrics)} for n, ms in runs.items()}
+    assert sorted(metrics[1]) == sorted(metrics[2]) == [1, 2, 3]
+    for step in (1, 2, 3):
+        one, two = metrics[1][step], metrics[2][step]
+        assert one[M.REWARD_MEAN] == two[M.REWARD_MEAN]  # the same completions were sampled
+        # Step 1 starts from the same weights: its loss and gradient agree to float rounding. Later steps start from
+        # weights that Adam moved by about ±lr each whatever the gradient's size, float noise included (one rank on
+        # one thread differs from one rank on two by as much: measured 8e-5 in PPO's step-3 gradient norm).
+        rel = 1e-5 if step == 1 else 2e-3
+        for name in (M.LOSS_TOTAL, M.GRAD_NORM, M.KL_MEAN, M.ENTROPY_MEAN, M.ADVANTAGE_STD):
+            assert two[name] == pytest.approx(one[name], rel=rel, abs=1e-7), (step, name)
+    assert metrics[1][1][M.GRAD_NORM] > 0
+    one, two = adapter(tmp_path / "ranks-1"), adapter(tmp_path / "ranks-2")
+    assert one.keys() == two.keys()
+    assert any(bool(t.abs().max() > 0) for name, t in one.items() if "lora_B" in name)  # B starts at 0: it trained
+    for name in one:  # (one thread against two: up to 7e-4 after PPO's 6 optimiser steps)
+        assert float((two[name] - one[name]).norm()) <= 1e-2 * float(one[name].norm()) + 1e-7, name
+    # one checkpoint, written once (rank 0), at step 3, and every message came from rank 0 alone
+    assert [m.step for m in runs[2] if isinstance(m, msg.Checkpoint)] == [3]
+    assert sum(isinstance(m, msg.Started) for m in runs[2]) == 1
+    assert sum(isinstance(m, msg.Done) for m in runs[2]) == 1
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the trainer's rank ``rank`` for ``run_dir`` (its environment says RANK)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"worker.runner" in cmdline and str(run_dir).encode() in cmdline and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+def test_a_killed_rank_ends_the_attempt_as_a_killed_trainer_and_the_job_resumes_on_another_number_of_ranks(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    hp: dict[str, Any] = {"max_steps": 6, "batch_size": 4, "group_size": 2, "checkpoint_interval": 2,
+                          "eval_interval": 0}  # fmt: skip
+    spec = make_spec(random_model_dir, arithmetic_data, "grpo", **hp) | {"resources": {"gpus": 2}}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    trainer = TrainerProcess(run_dir, stop_grace_s=30, ranks=2)
+    messages: list[Any] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not any(isinstance(m, msg.Checkpoint) for m in messages) and time.monotonic() < deadline:
+            if (m := trainer.get(timeout=0.5)) is not None:
+                messages.append(m)
+        pid = rank_pid(run_dir, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(Ended):
+            while time.monotonic() < deadline:
+                if (m := trainer.get(timeout=0.5)) is not None:
+                    messages.append(m)
+        trainer.close()
+    finally:
+        trainer.kill()
+    # what the worker sees of a trainer the kernel killed: SIGKILL it did not send (it trains again, once)
+    assert trainer.killed_by_someone_else
+    said = [m for m in messages if isinstance(m, msg.Event) and m.data.get("rank") == 1]
+    assert said and said[0].data["signal"] == "SIGKILL" and said[0].level == "warn"
+    assert not any(isinstance(m, msg.Error | msg.Done) for m in messages)  # rank 0 blamed nobody
+    assert rank_pid(run_dir, 0) is None  # no rank outlives its launcher
+    saved = [m.step for m in messages if isinstance(m, msg.Checkpoint)]
+    # the next attempt, on one rank, resumes from rank 0's checkpoint
+    rest = run_ranks(run_dir, spec | {"resources": {"gpus": 1}}, 1)
+    resumed = [m for m in rest if isinstance(m, msg.Event) and m.message.startswith("resumed from checkpoint")]
+    assert resumed and resumed[0].data["step"] == max(saved)
+    steps = [m.step for m in rest if isinstance(m, msg.Metrics)]
+    assert steps == list(range(max(saved) + 1, 7))
+    assert any(isinstance(m, msg.Done) for m in rest)

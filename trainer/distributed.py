@@ -1,0 +1,141 @@
+"""Data parallel training over ``torch.distributed``: one process (a rank) per device, started by torch's elastic
+launcher (``torch.distributed.run``; the worker's ``worker.launch``), which sets ``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK`` in each rank's environment.
+
+How a step of the RL loop is split (``trainer.rl``):
+
+- every rank draws the same prompts (the data order and the sampling RNG advance alike on all ranks) and samples,
+  grades and scores a contiguous block of whole groups (:meth:`World.block`): a group is never split, so a group's
+  advantage sees all its samples;
+- sampling draws each row's randomness from its own seed (the draw's seed plus the row's index in the global batch),
+  so a row's completion does not depend on how many ranks there are, nor which one sampled it;
+- the blocks are gathered in rank order, so that every rank holds the whole batch, computes the same advantages and
+  the same loss normalisation (the totals of the whole mini-batch), and takes the same decisions (dynamic sampling,
+  the KL controller, when to stop);
+- each rank backpropagates its share of every mini-batch against the whole mini-batch's totals; the gradients are
+  summed across ranks (one all-reduce of the flattened LoRA gradients, as DDP's buckets do) before clipping, so every
+  rank takes the same optimiser step and the adapters stay equal without being sent;
+- rank 0 alone reports (metrics, events, checkpoints) and validates; a checkpoint is written once, by rank 0, and
+  holds no per-rank state, so it resumes on any number of ranks.
+
+On CPUs the backend is gloo (how it is tested), on CUDA devices NCCL, one device per rank (``cuda:LOCAL_RANK``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+"""How long a rank waits in a collective for the others (rank 0 validating alone, a slow grader on one block)."""
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the job's ranks; ``World()`` is a run on its own (no process group)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    launched: bool = False  # started by the launcher (a process group exists, even of one rank)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def block(self, n: int) -> tuple[int, int]:
+        """This rank's contiguous share [lo, hi) of ``n`` items: the first ``n % size`` ranks take one more."""
+        base, extra = divmod(n, self.size)
+        lo = self.rank * base + min(self.rank, extra)
+        return lo, lo + base + (1 if self.rank < extra else 0)
+
+    # -- collectives (trivial for a run on its own) ------------------------------------------------------------------
+
+    def gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order (tensors are best on the CPU: they are pickled)."""
+        if not self.launched:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.launched:
+            return obj
+        box: list[Any] = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """The elementwise sum of every rank's ``values`` (in float64)."""
+        if not self.launched or self.size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the parameters' gradients across ranks, in place (a missing gradient counts as zeros). One flat
+        all-reduce: LoRA's gradients are small, so one bucket is DDP's own choice for them."""
+        if not self.launched or self.size == 1 or not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
+            offset += n
+
+    def barrier(self) -> None:
+        if self.launched and self.size > 1:
+            dist.barrier()
+
+    def collective_device(self) -> torch.device:
+        """Where the backend's tensors live: the rank's GPU for NCCL, the CPU for gloo."""
+        if self.launched and dist.get_backend() == "nccl":
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def device(self) -> torch.device | None:
+        """The rank's device when the launcher gave it one (``cuda:LOCAL_RANK``); None: the usual default."""
+        if self.launched and torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank)
+        return None
+
+
+def from_environment() -> World:
+    """The world the launcher described in this process's environment (``World()`` when none did)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return World()
+    return World(
+        rank=int(os.environ["RANK"]),
+        size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+        launched=True,
+    )
+
+
+def initialise(world: World) -> None:
+    """Join the process group of a launched world (NCCL on CUDA devices, gloo on CPUs); nothing for one alone."""
+    if not world.launched or dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(world.local_rank)
+        dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=torch.device("cuda", world.local_rank))
+    else:
+        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+
+
+def shut_down() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
