@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from api.tasks import RUN_JOB, queue_for
+from tests.e2e.conftest import Service, grpo_spec
 from tests.e2e.test_rl_loop import make_spec
+from tests.e2e.test_worker_faults import messages, start_worker
 from trainer import metrics as M
 from worker import messages as msg
 from worker.trainer_process import Ended, TrainerProcess
@@ -80,8 +84,8 @@ def test_two_ranks_train_what_one_does_on_the_same_global_batch(
     assert sum(isinstance(m, msg.Done) for m in runs[2]) == 1
 
 
-def rank_pid(run_dir: Path, rank: int) -> int | None:
-    """The pid of the trainer's rank ``rank`` for ``run_dir`` (its environment says RANK)."""
+def rank_pid(where: Path, rank: int) -> int | None:
+    """The pid of a trainer's rank ``rank`` (its environment says RANK) whose run folder is ``where`` or under it."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -90,7 +94,8 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
             environ = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"worker.runner" in cmdline and str(run_dir).encode() in cmdline and f"RANK={rank}".encode() in environ:
+        here = any(arg.startswith(str(where).encode()) for arg in cmdline)
+        if b"worker.runner" in cmdline and here and f"RANK={rank}".encode() in environ:
             return int(proc.name)
     return None
 
@@ -135,3 +140,34 @@ def test_a_killed_rank_ends_the_attempt_as_a_killed_trainer_and_the_job_resumes_
     steps = [m.step for m in rest if isinstance(m, msg.Metrics)]
     assert steps == list(range(max(saved) + 1, 7))
     assert any(isinstance(m, msg.Done) for m in rest)
+
+
+def test_a_two_device_job_waits_for_a_worker_with_two_and_survives_a_killed_rank(
+    make_service: Callable[..., Service], random_model_dir: Path, arithmetic_data: Path
+) -> None:
+    """Real workers on PostgreSQL and Redis: one with one device leaves the job in its queue; one with two runs it as
+    two ranks; a rank killed mid-run is the killed trainer the worker retries once from the stored checkpoint (here
+    on two ranks again), and the job succeeds with every step recorded once."""
+    svc = make_service()
+    spec = grpo_spec(str(random_model_dir), steps=6, checkpoint_interval=2, eval_interval=3) | {"resources": {"gpus": 2}}
+    job_id = svc.create_job(spec, arithmetic_data)
+    start_worker(svc, "one-device", env={"PROXIMA_WORKER_DEVICES": "1"})
+    svc.celery.send_task(RUN_JOB, args=[job_id], queue=queue_for(2))
+    log = svc.root / "worker-one-device.log"
+    svc.wait_for("the one-device worker", lambda: "takes jobs from ['celery']" in log.read_text(errors="replace"))
+    time.sleep(5)  # it is up, consuming its queue, and leaves the job alone
+    assert svc.job(job_id).status == "queued" and svc.job(job_id).lease_owner is None
+
+    start_worker(svc, "two-devices", env={"PROXIMA_WORKER_DEVICES": "2"})
+    svc.wait_for("the first checkpoint", lambda: svc.checkpoints(job_id), timeout=180)
+    rank1 = svc.wait_for("rank 1", lambda: rank_pid(svc.root / "home", 1))
+    os.kill(rank1, signal.SIGKILL)
+
+    job = svc.wait_status(job_id, "succeeded", "failed", "cancelled", timeout=300)
+    said = messages(svc, job_id)
+    assert job.status == "succeeded", (job.error, said, svc.worker_logs())
+    assert job.lease_owner is None
+    assert any(m.startswith("rank 1 of the trainer's 2 was ended by SIGKILL") for m in said), said
+    assert any("training again from the checkpoint at step" in m for m in said), said
+    assert svc.metric_steps(job_id) == [0, 1, 2, 3, 4, 5, 6]  # each step once (validation at 0, 3 and 6)
+    assert [c.step_number for c in svc.checkpoints(job_id)] == [2, 4, 6]
