@@ -95,15 +95,20 @@ class ProgressBar(BaseCallback):
 
 def run_training(spec: JobSpec, output: Path, *, resume: bool = False, quiet: bool = False) -> Any:
     """Run a spec locally with files under ``output`` and a progress bar; returns the trainer's RunResult."""
-    from trainer import checkpoint
+    from trainer import checkpoint, distributed
     from trainer.train import build_trainer
 
+    world = distributed.from_environment()  # one rank of several when `train` relaunched itself (resources.gpus)
+    distributed.initialise(world)
     spec = spec.model_copy(update={"model": resolve_model(spec.model)})
     latest = checkpoint.latest_checkpoint(output) if resume else None
-    files = JsonlFiles(output, resume_step=latest.step if latest else None)
     if not resume and output.exists() and checkpoint.list_checkpoints(output):
         raise SpecError(f"{output} already holds checkpoints: pass --resume to continue, or choose a new --output")
-    trainer = build_trainer(spec, output_dir=output, callback=files)
+    if not world.main:  # rank 0 writes the files and shows the progress
+        trainer = build_trainer(spec, output_dir=output, callback=BaseCallback(), world=world)
+        return trainer.run(resume=resume)
+    files = JsonlFiles(output, resume_step=latest.step if latest else None)
+    trainer = build_trainer(spec, output_dir=output, callback=files, world=world)
     output.mkdir(parents=True, exist_ok=True)
     (output / "spec.json").write_text(json.dumps(spec.to_json(), indent=2))
     columns = (
@@ -125,15 +130,29 @@ def train(
     output: Annotated[Path, typer.Option("--output", "-o", help="run folder")],
     resume: Annotated[bool, typer.Option(help="continue from the latest checkpoint in --output")] = False,
 ) -> None:
-    """Run a job spec locally: writes metrics.jsonl, rollouts.jsonl, checkpoints/ and the final adapter/."""
+    """Run a job spec locally: writes metrics.jsonl, rollouts.jsonl, checkpoints/ and the final adapter/. A spec
+    asking for ``resources.gpus`` N > 1 runs as N ranks under torch's launcher (one per GPU; processes on a CPU)."""
     try:
-        result = run_training(load_spec(spec_file), output, resume=resume)
+        spec = load_spec(spec_file)
+        if spec.gpus > 1 and "WORLD_SIZE" not in os.environ:
+            _relaunch(spec.gpus, ["train", str(spec_file), "--output", str(output), *(["--resume"] if resume else [])])
+        result = run_training(spec, output, resume=resume)
     except USER_ERRORS as err:
         _fail(err)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     if result.stopped:
         console.print(f"stopped at step {result.last_step}; continue with --resume")
     else:
         console.print(f"adapter: {result.adapter_dir}")
+
+
+def _relaunch(ranks: int, args: list[str]) -> None:
+    """Replace this process by torch's launcher running ``python -m trainer.cli ARGS`` as ``ranks`` ranks (one node;
+    a failed rank ends them all)."""
+    sys.stderr.flush()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    os.execv(sys.executable, [*launcher, "--max-restarts=0", "--module", "trainer.cli", *args])
 
 
 @app.command("eval")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,7 +151,9 @@ def test_a_two_device_job_waits_for_a_worker_with_two_and_survives_a_killed_rank
     two ranks; a rank killed mid-run is the killed trainer the worker retries once from the stored checkpoint (here
     on two ranks again), and the job succeeds with every step recorded once."""
     svc = make_service()
-    spec = grpo_spec(str(random_model_dir), steps=6, checkpoint_interval=2, eval_interval=3) | {"resources": {"gpus": 2}}
+    spec = grpo_spec(str(random_model_dir), steps=6, checkpoint_interval=2, eval_interval=3) | {
+        "resources": {"gpus": 2}
+    }
     job_id = svc.create_job(spec, arithmetic_data)
     start_worker(svc, "one-device", env={"PROXIMA_WORKER_DEVICES": "1"})
     svc.celery.send_task(RUN_JOB, args=[job_id], queue=queue_for(2))
@@ -171,3 +175,24 @@ def test_a_two_device_job_waits_for_a_worker_with_two_and_survives_a_killed_rank
     assert any("training again from the checkpoint at step" in m for m in said), said
     assert svc.metric_steps(job_id) == [0, 1, 2, 3, 4, 5, 6]  # each step once (validation at 0, 3 and 6)
     assert [c.step_number for c in svc.checkpoints(job_id)] == [2, 4, 6]
+
+
+def test_proxima_train_runs_a_spec_asking_for_two_devices_as_two_ranks(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """The command line relaunches itself under torch's launcher; rank 0 writes the run folder, as one rank would."""
+    hp: dict[str, Any] = {"max_steps": 2, "batch_size": 4, "group_size": 2, "checkpoint_interval": 2,
+                          "eval_interval": 0}  # fmt: skip
+    spec = make_spec(random_model_dir, arithmetic_data, "grpo", **hp) | {"resources": {"gpus": 2}}
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "train", str(spec_file), "--output", str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PROXIMA_HOME": str(tmp_path / "home")},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("adapter: ") == 1  # rank 0 alone speaks
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # written once, by rank 0
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
