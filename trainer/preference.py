@@ -29,6 +29,7 @@ from trainer.callbacks import Callback
 from trainer.config import DPOHyperparameters, JobSpec, RewardModelHyperparameters, held_out_count
 from trainer.core_algos import PAIRWISE_LOSSES, PairwiseOptions, masked_sum
 from trainer.data import DatasetError, load_preferences
+from trainer.distributed import World
 from trainer.encoding import EncodedPair, PromptSampler, completion_batch, encode_preferences
 from trainer.engine import Engine, ParamGroup, check_context, eager_attention_for_bf16_cpu, load_policy, seed_everything
 from trainer.models import (
@@ -56,14 +57,23 @@ def held_out(pairs: list[EncodedPair], share: float, *, seed: int) -> tuple[list
 class PreferenceTrainer(EngineLoop):
     """Holds what the loop needs; :meth:`run` is the loop."""
 
-    def __init__(self, spec: JobSpec, *, output_dir: Path, callback: Callback, device: torch.device | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        output_dir: Path,
+        callback: Callback,
+        device: torch.device | None = None,
+        world: World | None = None,
+    ):
         self.spec, self.out, self.cb = spec, output_dir, callback
+        self.world = world or World()  # data parallel: this rank's place (trainer.distributed)
         hp = spec.method.hyperparameters
         assert isinstance(hp, RewardModelHyperparameters | DPOHyperparameters)
         self.hp: RewardModelHyperparameters | DPOHyperparameters = hp
         self.reward_model = isinstance(hp, RewardModelHyperparameters)
         self._load_data()  # everything that can be wrong with the input is checked before any weight is loaded
-        self.device = device or default_device()
+        self.device = device or self.world.device() or default_device()
         self.precision: Precision = resolve_precision(hp.precision, self.device)
         seed_everything(spec.seed)
         if isinstance(hp, RewardModelHyperparameters) and hp.head == "likelihood":
@@ -158,16 +168,22 @@ class PreferenceTrainer(EngineLoop):
         sums = {"loss": 0.0, "acc": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
         tokens = 0
         self.engine.zero_grad()
-        for sl in micro_slices(n, hp.micro_batch_size):
-            pairs = [self.train_pairs[i] for i in idx[sl]]
+        lo, hi = self.world.block(n)  # this rank's pairs, against the whole batch's count
+        mine = idx[lo:hi]
+        for sl in micro_slices(len(mine), hp.micro_batch_size):
+            pairs = [self.train_pairs[i] for i in mine[sl]]
             chosen, rejected, r_c, r_r = self._pair_forward(pairs, train=True)
             per_pair = self.loss(chosen, rejected, self._options(pairs))  # [b]
             self.engine.backward(per_pair.sum() / n)  # this micro-batch's share of the step's mean
             _accumulate(sums, per_pair.detach(), r_c, r_r)
             tokens += sum(len(p.prompt_ids) * 2 + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+        self.sync_gradients()
         grad_norm = self.engine.optim_step()[0]
         self.engine.lr_step()
         train_s = time.perf_counter() - t0
+        names = list(sums)
+        *totals, tokens = self.world.sum_floats([sums[k] for k in names] + [float(tokens)])
+        sums = dict(zip(names, totals, strict=True))
 
         m = {
             M.LOSS_TOTAL: sums["loss"] / n,
@@ -182,8 +198,7 @@ class PreferenceTrainer(EngineLoop):
         if self.val_pairs and validation_due(step, interval=hp.eval_interval, total_steps=self.total_steps):
             m |= self.validation_metrics()
         m[M.STEP_SECONDS] = time.perf_counter() - t0
-        self.cb.on_metrics(step, m)
-        return m
+        return self.report(step, m)
 
     # -- the forward -------------------------------------------------------------------------------------------
 
@@ -234,10 +249,13 @@ class PreferenceTrainer(EngineLoop):
 
     # -- validation and the reward model's statistics ----------------------------------------------------------
 
-    @torch.no_grad()
     def validation_metrics(self) -> dict[str, float]:
         """Loss, accuracy, margin and rewards over the validation pairs (eval mode, the training batch layout), and
-        the accuracy of each kind of pair where the lines name one."""
+        the accuracy of each kind of pair where the lines name one (rank 0's, on every rank)."""
+        return self.from_rank0(self._validation_metrics)
+
+    @torch.no_grad()
+    def _validation_metrics(self) -> dict[str, float]:
         sums = {"loss": 0.0, "acc": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
         right: dict[str, list[float]] = {}
         n = len(self.val_pairs)

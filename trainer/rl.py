@@ -332,8 +332,7 @@ class RLTrainer(EngineLoop):
             m |= self.validation_metrics()
         m |= self.grader_monitor.metrics()
         m[M.STEP_SECONDS] = time.perf_counter() - t0
-        m = self.world.broadcast(m)  # rank 0's (its validation): every rank decides alike (best, early stopping)
-        self.cb.on_metrics(step, m)
+        m = self.report(step, m)  # rank 0's (its validation): every rank decides alike (best, early stopping)
         if self.hp.rollouts_logged and len(batch):
             self.cb.on_rollouts(step, rollout_records(batch, adv.per_row, self.hp.rollouts_logged))
         self.grader_monitor.end_step(step)  # after the step is recorded: GraderFailed when the grader is broken
@@ -569,7 +568,7 @@ class RLTrainer(EngineLoop):
                 mine = mb[lo:hi]
                 for sl in micro_slices(len(mine), hp.micro_batch_size):
                     sums.add(self._micro_batch(batch, adv, mine[sl], scale, first_pass=it == 0))
-                self.world.sum_gradients([p for group in self.engine.groups for p in group.params])
+                self.sync_gradients()
                 norms = self.engine.optim_step()
                 sums.grad_norm += norms[0]
                 sums.optimizer_steps += 1
@@ -659,9 +658,7 @@ class RLTrainer(EngineLoop):
 
     def validation_metrics(self) -> dict[str, float]:
         """Greedy mean reward on the validation prompts (and per named sub-grader); rank 0's, on every rank."""
-        if self.world.launched and self.world.size > 1:
-            return self.world.broadcast(self._validation_metrics() if self.world.main else {})
-        return self._validation_metrics()
+        return self.from_rank0(self._validation_metrics)
 
     def _validation_metrics(self) -> dict[str, float]:
         self.rollout_engine.push_weights(self.model, self.engine.weights_version)

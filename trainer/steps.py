@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,6 +93,25 @@ class EngineLoop:
 
     def has_validation_data(self) -> bool:
         raise NotImplementedError
+
+    # -- several ranks (trainer.distributed): each a share of the batch, rank 0's validation and report -----------
+
+    def sync_gradients(self) -> None:
+        """Sum every rank's gradients (of every group: the critic's and a reward head's too) before the step."""
+        self.world.sum_gradients([p for group in self.engine.groups for p in group.params])
+
+    def from_rank0(self, compute: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """``compute()`` on rank 0 and its result on every rank (validation: one rank's work, every rank's
+        decisions: the best checkpoint, early stopping)."""
+        if self.world.size == 1:
+            return compute()
+        return self.world.broadcast(compute() if self.world.main else {})
+
+    def report(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Rank 0's metrics of ``step``, told to the callback (rank 0's) and returned on every rank."""
+        metrics = self.world.broadcast(metrics)
+        self.cb.on_metrics(step, metrics)
+        return metrics
 
     def run(self, *, resume: bool = False) -> RunResult:
         return run_steps(

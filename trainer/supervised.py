@@ -25,6 +25,7 @@ from trainer.callbacks import Callback
 from trainer.config import JobSpec, SupervisedHyperparameters
 from trainer.core_algos import AGGREGATIONS, LossScale, selective_log_softmax
 from trainer.data import load_supervised
+from trainer.distributed import World
 from trainer.encoding import (
     EncodedExample,
     LengthGroupedSampler,
@@ -83,7 +84,16 @@ def collate(examples: list[list[EncodedExample]], pad_id: int, *, packed: bool) 
 class SupervisedTrainer(EngineLoop):
     """Holds what the loop needs; :meth:`run` is the loop."""
 
-    def __init__(self, spec: JobSpec, *, output_dir: Path, callback: Callback, device: torch.device | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        output_dir: Path,
+        callback: Callback,
+        device: torch.device | None = None,
+        world: World | None = None,
+    ):
+        self.world = world or World()  # data parallel: this rank's place (trainer.distributed)
         self.spec, self.out, self.cb = spec, output_dir, callback
         assert isinstance(spec.method.hyperparameters, SupervisedHyperparameters)
         self.hp: SupervisedHyperparameters = spec.method.hyperparameters
@@ -115,7 +125,7 @@ class SupervisedTrainer(EngineLoop):
             self.val_examples = self.val_examples[: hp.eval_samples]
         self.total_steps = hp.total_steps(len(self.train_examples))
 
-        self.device = device or default_device()
+        self.device = device or self.world.device() or default_device()
         self.precision: Precision = resolve_precision(hp.precision, self.device)
         seed_everything(spec.seed)
         self.model = load_policy(
@@ -161,8 +171,10 @@ class SupervisedTrainer(EngineLoop):
         loss_sum = correct = tokens = 0.0
         self.engine.zero_grad()
         self.model.train(self.spec.method.lora.dropout > 0)
-        for sl in micro_slices(len(rows), hp.micro_batch_size):
-            batch = collate(rows[sl], self.tokenizer.pad_token_id, packed=hp.packing)
+        lo, hi = self.world.block(len(rows))  # this rank's rows, against the whole batch's token count
+        mine = rows[lo:hi]
+        for sl in micro_slices(len(mine), hp.micro_batch_size):
+            batch = collate(mine[sl], self.tokenizer.pad_token_id, packed=hp.packing)
             nll, mask, hits = self._token_losses(batch)
             loss = self.aggregate(nll, mask, scale)  # this micro-batch's share of the step's token mean
             self.engine.backward(loss)
@@ -170,9 +182,11 @@ class SupervisedTrainer(EngineLoop):
             correct += float(hits)
             tokens += float(batch.ids.numel())
         self.model.eval()
+        self.sync_gradients()
         grad_norm = self.engine.optim_step()[0]
         self.engine.lr_step()
         train_s = time.perf_counter() - t0
+        loss_sum, correct, tokens = self.world.sum_floats([loss_sum, correct, tokens])
 
         m = {
             M.LOSS_TOTAL: loss_sum,
@@ -184,8 +198,7 @@ class SupervisedTrainer(EngineLoop):
         if self.val_examples and validation_due(step, interval=hp.eval_interval, total_steps=self.total_steps):
             m |= self.validation_metrics()
         m[M.STEP_SECONDS] = time.perf_counter() - t0
-        self.cb.on_metrics(step, m)
-        return m
+        return self.report(step, m)
 
     def _token_losses(self, batch: Rows) -> tuple[Tensor, Tensor, Tensor]:
         """(−log p of every next token [B, T−1], the trained-token mask [B, T−1], how many the argmax gets right)."""
@@ -204,9 +217,13 @@ class SupervisedTrainer(EngineLoop):
         hits = ((logits.detach().argmax(-1) == target) & mask).sum()
         return nll, mask, hits
 
-    @torch.no_grad()
     def validation_metrics(self) -> dict[str, float]:
-        """Token-mean cross-entropy and argmax accuracy over the validation conversations' trained tokens."""
+        """Token-mean cross-entropy and argmax accuracy over the validation conversations' trained tokens (rank 0's,
+        on every rank)."""
+        return self.from_rank0(self._validation_metrics)
+
+    @torch.no_grad()
+    def _validation_metrics(self) -> dict[str, float]:
         examples = self.val_examples
         total = float(sum(sum(e.targets) for e in examples))
         scale = LossScale(total, len(examples), 0)

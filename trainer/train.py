@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.callbacks import Callback
-from trainer.config import JobSpec, SpecError
+from trainer.config import JobSpec
 from trainer.distributed import World
 from trainer.preference import PreferenceTrainer
 from trainer.reward_model import check_reward_models
@@ -36,22 +36,16 @@ def build_trainer(
     world: World | None = None,
 ) -> Trainer:
     """The loop for ``spec.method.type``, with its data validated and its model loaded; ``world``: this process's
-    rank when the launcher started several (``trainer.distributed``: the online RL methods only, for now)."""
+    rank when the launcher started several (``trainer.distributed``)."""
     world = world or World()
-    if world.size > 1 and spec.method.data_format != "prompts":
-        raise SpecError(
-            f"{spec.method.type} trains on one device for now (data parallel training runs the online RL methods); "
-            "ask for resources.gpus 1",
-            param="resources.gpus",
-        )
     if spec.method.grader is not None:
         check_reward_models(spec.method.grader)  # a reward_model grader's folder is checked before weights load
     fmt = spec.method.data_format
     if fmt == "prompts":
         return RLTrainer(spec, output_dir=output_dir, callback=callback, device=device, world=world)
     if fmt == "preferences":
-        return PreferenceTrainer(spec, output_dir=output_dir, callback=callback, device=device)
-    return SupervisedTrainer(spec, output_dir=output_dir, callback=callback, device=device)
+        return PreferenceTrainer(spec, output_dir=output_dir, callback=callback, device=device, world=world)
+    return SupervisedTrainer(spec, output_dir=output_dir, callback=callback, device=device, world=world)
 
 
 def train(

@@ -236,12 +236,6 @@ def validated_spec(
             param="resources.gpus",
             code="invalid_spec",
         )
-    if spec.gpus > 1 and spec.method.data_format != "prompts":
-        raise InvalidRequest(
-            f"{spec.method.type} trains on one device for now (data parallel training runs the online RL methods)",
-            param="resources.gpus",
-            code="invalid_spec",
-        )
     if spec.gpus > 1 and spec.method.agent is not None:
         raise InvalidRequest(
             "agent (multi-turn) jobs train on one device for now", param="resources.gpus", code="invalid_spec"
@@ -275,8 +269,8 @@ def validated_spec(
     hp = type(spec.method.hyperparameters).model_validate(spec_json["method"][spec.method.type]["hyperparameters"])
     if spec.gpus > hp.batch_size:  # each device samples whole groups
         raise InvalidRequest(
-            f"batch_size ({hp.batch_size}) must be at least resources.gpus ({spec.gpus}): each device samples whole "
-            "groups",
+            f"batch_size ({hp.batch_size}) must be at least resources.gpus ({spec.gpus}): each device trains on a "
+            "share of every batch",
             param="resources.gpus",
             code="invalid_spec",
         )
