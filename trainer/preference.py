@@ -182,7 +182,7 @@ class PreferenceTrainer(EngineLoop):
         self.engine.lr_step()
         train_s = time.perf_counter() - t0
         names = list(sums)
-        *totals, tokens = self.world.sum_floats([sums[k] for k in names] + [float(tokens)])
+        *totals, all_tokens = self.world.sum_floats([sums[k] for k in names] + [float(tokens)])
         sums = dict(zip(names, totals, strict=True))
 
         m = {
@@ -193,7 +193,7 @@ class PreferenceTrainer(EngineLoop):
             M.REWARDS_REJECTED: sums["rejected"] / n,
             M.GRAD_NORM: grad_norm,
             M.LEARNING_RATE: lr,
-            M.TOKENS_PER_S_TRAINING: tokens / max(train_s, 1e-9),
+            M.TOKENS_PER_S_TRAINING: all_tokens / max(train_s, 1e-9),
         }
         if self.val_pairs and validation_due(step, interval=hp.eval_interval, total_steps=self.total_steps):
             m |= self.validation_metrics()
