@@ -8,7 +8,10 @@ Each method trains 3 steps on ``cuda`` in bf16 (the ``auto`` precision there): G
 copy), RLOO, PPO with the critic adapter, PPO with the trunk head, PPO graded by a reward model, the reward model
 itself, DPO and supervised. It checks that every metric is finite, that the step's tensors lived on the GPU (peak
 memory allocated > 0) and that the adapter saved at the end loads with ``PeftModel.from_pretrained`` on the GPU and
-gives the trained policy's log-probs. Prints one line per method and exits non-zero on the first failure.
+gives the trained policy's log-probs. Then GRPO once more as the worker runs a job asking for ``resources.gpus``:
+through its launcher (``worker.launch``: torch's elastic launcher, NCCL on the GPU), world size 1 on a one-GPU
+machine (``GPU_CHECK_RANKS=N`` for N ranks where N GPUs are). Prints one line per method and exits non-zero on the
+first failure.
 """
 
 from __future__ import annotations
@@ -115,6 +118,36 @@ def check(name: str, raw: dict[str, Any], out: Path) -> Path:
     return res.adapter_dir
 
 
+def check_launched(raw: dict[str, Any], run_dir: Path, ranks: int) -> None:
+    """The job as a worker runs it on ``ranks`` devices: ``python -m worker.launch RANKS RUN_DIR``, its messages read
+    as the worker reads them."""
+    from worker import messages as msg
+    from worker.trainer_process import Ended, TrainerProcess
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.json").write_text(json.dumps(raw | {"resources": {"gpus": ranks}}))
+    t0 = time.perf_counter()
+    trainer = TrainerProcess(run_dir, stop_grace_s=30, ranks=ranks)
+    got: list[Any] = []
+    try:
+        while time.perf_counter() - t0 < 600:
+            try:
+                if (m := trainer.get(timeout=0.5)) is not None:
+                    got.append(m)
+            except Ended:
+                break
+        rc = trainer.close()
+    finally:
+        trainer.kill()
+    errors = [m for m in got if isinstance(m, msg.Error)]
+    assert rc == 0 and not errors, f"exit {rc}, {errors}; stderr:\n{trainer.stderr_tail(30)}"
+    rows = [m.metrics for m in got if isinstance(m, msg.Metrics)]
+    bad = {k: v for r in rows for k, v in r.items() if not math.isfinite(v)}
+    assert len(rows) >= 3 and not bad, f"{len(rows)} metric rows, non-finite {bad}"
+    assert any(isinstance(m, msg.Done) for m in got) and (run_dir / "adapter" / "adapter_config.json").exists()
+    print(f"OK grpo through the launcher, {ranks} rank(s): {len(rows)} steps in {time.perf_counter() - t0:.1f} s")
+
+
 def main() -> None:
     import torch
 
@@ -163,6 +196,13 @@ def main() -> None:
             except Exception as err:
                 failures += 1
                 print(f"FAIL ppo + reward_model grader: {type(err).__name__}: {err}", flush=True)
+        if not only or "launched" in only:
+            try:
+                ranks = int(os.environ.get("GPU_CHECK_RANKS", "1"))
+                check_launched(spec_for(model_dir, files, "grpo"), root / "launched", ranks)
+            except Exception as err:
+                failures += 1
+                print(f"FAIL grpo through the launcher: {type(err).__name__}: {err}", flush=True)
     sys.exit(1 if failures else 0)
 
 
