@@ -31,7 +31,6 @@ from common import (
     SEED,
     build_assets,
     emit_result,
-    loadavg,
     peak_rss_mib,
     run_worker,
 )
@@ -137,10 +136,11 @@ def main() -> None:
             f"matmul floor {res['floor_ms']:.2f} ms/step (load {res['load_start']} → {res['load_end']})",
             flush=True,
         )
+    ratio = statistics.median(medians) / statistics.median(floors)
     print(
         f"{a.model} {a.precision}: decode {statistics.median(medians):.2f} ms/token "
         f"[{min(medians):.2f}, {max(medians):.2f}], matmul floor {statistics.median(floors):.2f} ms "
-        f"[{min(floors):.2f}, {max(floors):.2f}]: {statistics.median(medians) / statistics.median(floors):.1f}× the floor"
+        f"[{min(floors):.2f}, {max(floors):.2f}]: {ratio:.1f}× the floor"
     )
 
 

@@ -511,3 +511,13 @@ def test_top_k_samples_only_among_the_k_likeliest(model: LlamaForCausalLM) -> No
     assert picked <= allowed and len(picked) >= 2  # at T=5 the three are near-uniform; 64 draws see more than one
     one = generate(model, ids[:2], mask[:2], max_new_tokens=4, eos_id=EOS, pad_id=PAD, temperature=5.0, top_k=1)
     assert one.completion_ids.tolist() == greedy(model, [PROMPTS[0]] * 2, 4).completion_ids.tolist()
+
+
+def test_inverse_cdf_draws_never_land_on_a_zero_weight_token_at_either_end() -> None:
+    from trainer.rollout import _draw
+
+    w = torch.tensor([[0.0, 0.2, 0.3, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    ends = torch.tensor([0.0, 0.0], dtype=torch.float64), torch.tensor([1.0, 1.0], dtype=torch.float64)
+    assert _draw(w, None, ends[0]).tolist() == [1, 2]  # the first of positive weight
+    assert _draw(w, None, ends[1]).tolist() == [3, 2]  # a draw rounding up to the total: the last of positive weight
+    assert _draw(w, None, torch.tensor([0.45, 0.7], dtype=torch.float64)).tolist() == [2, 2]  # 0.2 ≤ 0.45 < 0.5
