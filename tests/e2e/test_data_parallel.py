@@ -114,6 +114,12 @@ def test_two_ranks_train_what_one_does_on_the_same_global_batch(
     assert sum(isinstance(m, msg.Done) for m in runs[2]) == 1
 
 
+def two_rank_grpo(model: Path, data: Path, *, steps: int) -> dict[str, Any]:
+    """A GRPO spec asking for two devices: 4 groups of 2, a checkpoint every 2 steps, no validation."""
+    hp = {"max_steps": steps, "batch_size": 4, "group_size": 2, "checkpoint_interval": 2, "eval_interval": 0}
+    return make_spec(model, data, "grpo", **hp) | {"resources": {"gpus": 2}}
+
+
 def rank_pid(where: Path, rank: int) -> int | None:
     """The pid of a trainer's rank ``rank`` (its environment says RANK) whose run folder is ``where`` or under it."""
     for proc in Path("/proc").iterdir():
@@ -133,9 +139,7 @@ def rank_pid(where: Path, rank: int) -> int | None:
 def test_a_killed_rank_ends_the_attempt_as_a_killed_trainer_and_the_job_resumes_on_another_number_of_ranks(
     random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
-    hp: dict[str, Any] = {"max_steps": 6, "batch_size": 4, "group_size": 2, "checkpoint_interval": 2,
-                          "eval_interval": 0}  # fmt: skip
-    spec = make_spec(random_model_dir, arithmetic_data, "grpo", **hp) | {"resources": {"gpus": 2}}
+    spec = two_rank_grpo(random_model_dir, arithmetic_data, steps=6)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "spec.json").write_text(json.dumps(spec))
@@ -209,9 +213,7 @@ def test_proxima_train_runs_a_spec_asking_for_two_devices_as_two_ranks(
     random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
     """The command line relaunches itself under torch's launcher; rank 0 writes the run folder, as one rank would."""
-    hp: dict[str, Any] = {"max_steps": 2, "batch_size": 4, "group_size": 2, "checkpoint_interval": 2,
-                          "eval_interval": 0}  # fmt: skip
-    spec = make_spec(random_model_dir, arithmetic_data, "grpo", **hp) | {"resources": {"gpus": 2}}
+    spec = two_rank_grpo(random_model_dir, arithmetic_data, steps=2)
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec))
     out = tmp_path / "run"
