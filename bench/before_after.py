@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import run_worker
+from common import idle_runs, run_worker
 
 HERE = Path(__file__).resolve().parent
 
@@ -64,15 +64,17 @@ def main() -> None:
             steps = " ".join(f"{s:.3f}" for s in res["step_s"])
             print(
                 f"round {r + 1} {side:6s} median {med:.3f} s/step ({steps}), peak RSS {res['peak_rss_mib']:.0f} MiB, "
-                f"load {l0} → {l1}",
+                f"load {l0} → {l1}" + (" UNDER LOAD: left out" if res.get("loaded") else ""),
                 flush=True,
             )
-    for side, rs in runs.items():
+    for side, every in runs.items():
+        rs = idle_runs(every)
         meds = [x["median_s"] for x in rs]
         rss = [x["peak_rss_mib"] for x in rs]
         print(
             f"{side:6s} {statistics.median(meds):.3f} s/step (rounds {min(meds):.3f}–{max(meds):.3f}), "
-            f"peak RSS {statistics.median(rss):.0f} MiB ({min(rss):.0f}–{max(rss):.0f})"
+            f"peak RSS {statistics.median(rss):.0f} MiB ({min(rss):.0f}–{max(rss):.0f}); "
+            f"{len(every) - len(rs)} of {len(every)} rounds left out (started under load)"
         )
     if a.json:
         a.json.write_text(json.dumps(runs, indent=1))

@@ -303,12 +303,28 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+SETTLE_S = 240.0
+# A run starts once the 1-minute load average is below this (the previous run's own threads included); one that
+# could not be (SETTLE_S passed) runs anyway, is marked ``loaded`` and left out of the summaries' medians.
+MAX_LOAD = float(os.environ.get("PROXIMA_BENCH_MAX_LOAD", "1.0"))
+
+
+def settle(max_load: float) -> float:
+    """Wait (up to SETTLE_S) for the 1-minute load average to fall below ``max_load``; returns the last reading."""
+    deadline = time.monotonic() + SETTLE_S
+    while (load := float(loadavg().split()[0])) >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    return load
+
+
 def run_worker(script: str, side: str, argv: list[str], *, python: list[str] | None = None) -> dict[str, Any]:
-    """Run ``script --worker side argv…`` and return its ``RESULT``, with the load average before and after.
-    ``python``: the interpreter's command line (default this one; ``bench/before_after.py`` passes a bootstrap)."""
+    """Run ``script --worker side argv…`` once the machine is idle (``MAX_LOAD``) and return its ``RESULT``, with
+    the load average before and after and whether it had to start under load. ``python``: the interpreter's command
+    line (default this one; ``bench/before_after.py`` passes a bootstrap)."""
     cmd = [*(python or [sys.executable]), script, "--worker", side, *argv]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("PYTHONWARNINGS", "ignore")
+    loaded = settle(MAX_LOAD) >= MAX_LOAD
     load_start = loadavg()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     load_end = loadavg()
@@ -317,8 +333,13 @@ def run_worker(script: str, side: str, argv: list[str], *, python: list[str] | N
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise SystemExit(f"{side} worker failed (exit {proc.returncode})")
     res = dict(json.loads(results[-1].removeprefix("RESULT ")))
-    res["load_start"], res["load_end"] = load_start, load_end
+    res["load_start"], res["load_end"], res["loaded"] = load_start, load_end, loaded
     return res
+
+
+def idle_runs(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs that started below ``MAX_LOAD``: all of them when none did (the summary then says so)."""
+    return [r for r in rs if not r.get("loaded")] or rs
 
 
 def run_rounds(
@@ -335,18 +356,20 @@ def run_rounds(
                 + " ".join(f"{t:.3f}" for t in res["step_s"])
                 + f" s/step, peak RSS {res['peak_rss_mib']:.0f} MiB "
                 + (f"GPU {res['peak_gpu_mib']:.0f} MiB " if res.get("peak_gpu_mib") else "")
-                + f"(load {res['load_start']} → {res['load_end']})",
+                + f"(load {res['load_start']} → {res['load_end']})"
+                + (" UNDER LOAD: left out" if res.get("loaded") else ""),
                 flush=True,
             )
     return runs
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Per side: mean, min, max and median seconds per step over every measured step of every round, the mean of
-    each round, generated tokens per second of (mean) step time, the largest peak RSS of its runs, and phase seconds
-    per step."""
+    """Per side, over the rounds that started idle (``idle_runs``): mean, min, max and median seconds per step over
+    every measured step, the mean and median of each round, how many rounds started under load, generated tokens
+    per second of (mean) step time, the largest peak RSS of its runs, and phase seconds per step."""
     summary: dict[str, dict[str, Any]] = {}
-    for side, rs in runs.items():
+    for side, every in runs.items():
+        rs = idle_runs(every)
         times = [t for res in rs for t in res["step_s"]]
         sec = statistics.fmean(times)
         phases: dict[str, float] = {}
@@ -359,6 +382,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "s_max": max(times),
             "s_median": statistics.median(times),
             "round_means": [statistics.fmean(res["step_s"]) for res in rs],
+            "round_medians": [statistics.median(res["step_s"]) for res in rs],
+            "rounds_under_load": sum(1 for res in every if res.get("loaded")),
             "gen_tok_s": ROWS * COMPLETION / sec,
             "peak_rss_mib": max(res["peak_rss_mib"] for res in rs),
             "peak_gpu_mib": max(res.get("peak_gpu_mib", 0.0) for res in rs),

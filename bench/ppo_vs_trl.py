@@ -77,6 +77,7 @@ BETA = 0.05  # TRL's RLOO default and our PPO default: k1 in the reward
 MU = 1  # passes over each rollout batch (ours iterations_per_batch, TRL num_iterations)
 PHASES = [
     "generation",
+    "scores",  # ours, the adapter critic: old log-probs, reference and values in one pass
     "old_logp",
     "reference",
     "values",
@@ -168,10 +169,12 @@ def build_reward_model(workdir: Path, model_dir: Path, prompts: Path) -> Path:
     """A reward model of the benchmark's base, trained by our ``reward_model`` method for one step on synthetic
     pairs: a real reward-model folder (LoRA adapter + score head, ``reward_model.json``), which our ``reward_model``
     grader scores with and which TRL's side loads merged (``PeftModel.from_pretrained(
-    AutoModelForSequenceClassification…).merge_and_unload()``): the same function on both sides. Built once."""
+    AutoModelForSequenceClassification…).merge_and_unload()``): the same function on both sides. Its head is
+    ``last`` (a score head on the last token's state, TRL's): the default ``likelihood`` head is the LM's own, which
+    a sequence classifier cannot load. Built once."""
     import random
 
-    out = workdir / f"rm-{model_dir.name}"
+    out = workdir / f"rm-last-{model_dir.name}"
     if (out / "adapter" / "reward_model.json").exists():
         return out / "adapter"
     from trainer.callbacks import BaseCallback
@@ -196,7 +199,13 @@ def build_reward_model(workdir: Path, model_dir: Path, prompts: Path) -> Path:
             "method": {
                 "type": "reward_model",
                 "reward_model": {
-                    "hyperparameters": {"batch_size": 8, "max_steps": 1, "max_length": 128, "precision": "fp32"},
+                    "hyperparameters": {
+                        "batch_size": 8,
+                        "max_steps": 1,
+                        "max_length": 128,
+                        "precision": "fp32",
+                        "head": "last",
+                    },
                     "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": "all-linear"},
                 },
             },
@@ -312,6 +321,9 @@ def run_ours(
     rl.grade_batch = phases.wrap(rl.grade_batch, "reward")  # type: ignore[assignment]
     rl.decode_completions = phases.wrap(rl.decode_completions, "reward")  # type: ignore[assignment]
     Critic.values = phases.wrap(Critic.values, critic_phase)  # type: ignore[method-assign]
+    # the adapter critic's passes joined to the policy's: the rollout's three as one, the update's two as one
+    Critic.rollout_scores = phases.wrap(Critic.rollout_scores, "scores")  # type: ignore[method-assign]
+    Critic.forward_with_policy = phases.wrap(Critic.forward_with_policy, "policy_fwd")  # type: ignore[method-assign]
     rl.RLTrainer.advantages = phases.wrap(rl.RLTrainer.advantages, "advantages")  # type: ignore[method-assign]
     patch_backward(phases, backward_phase)
     spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps, critic=critic, reward_model=reward_model)
@@ -666,6 +678,7 @@ def main() -> None:
             f"{t['s_median'] / o['s_median']:.2f}×; by round "
             + ", ".join(f"{r:.2f}×" for r in per_round)
             + f"), peak RSS {o['peak_rss_mib'] / t['peak_rss_mib']:.2f}×"
+            + f"; rounds left out (started under load): ours {o['rounds_under_load']}, TRL {t['rounds_under_load']}"
             + (f", peak GPU memory {o['peak_gpu_mib'] / t['peak_gpu_mib']:.2f}×" if t["peak_gpu_mib"] else "")
         )
     print("\nseconds per step by phase (the rest: data, GAE/advantages arithmetic, loss arithmetic, metrics):")

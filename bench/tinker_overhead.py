@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import DEFAULT_WORKDIR, build_assets, loadavg
+from bench.common import DEFAULT_WORKDIR, SETTLE_S, build_assets, loadavg, settle
 
 DATUMS, LENGTH, RANK = 8, 64, 16
 
@@ -139,18 +139,6 @@ class Stack:
         self.worker.kill()
         self.worker.wait()
         self._admin("DROP DATABASE IF EXISTS {} WITH (FORCE)")
-
-
-SETTLE_S = 240.0
-
-
-def settle(max_load: float) -> float:
-    """Wait (up to SETTLE_S) for the 1-minute load average to fall below ``max_load`` (the previous round's own work
-    included); returns the last reading."""
-    deadline = time.monotonic() + SETTLE_S
-    while (load := float(loadavg().split()[0])) >= max_load and time.monotonic() < deadline:
-        time.sleep(5)
-    return load
 
 
 def main() -> None:
