@@ -11,6 +11,16 @@ The policy's forwards yield V (:meth:`Critic.head_values` on ``completion_logpro
 value loss joins the policy's loss, so its gradient also reaches the policy's LoRA. The critic's own parameters are
 the head alone.
 
+The adapter critic's passes can share the policy's (``Critic.can_fuse``; used on CUDA devices, ``Critic.fuses``):
+the rollout's old log-probs, reference log-probs and V as one forward of the base over three copies of the rows,
+each copy through its own adapter (policy, none, critic: ``trainer.lora_forward.adapter_blocks``), and the update's
+policy log-probs and V as one forward with the graph, then one backward of the summed loss. Every LoRA layer runs
+its frozen base weight over all the rows in one matmul and each adapter's low-rank product over its own rows. Rows
+never interact (attention, norms and positions are per row), so the results are those of the separate passes, to
+float rounding (tested); what is saved is a launch of every kernel per pass and per backward. On this project's
+CPUs that saved nothing and the larger joined update ran slower (BENCHMARKS.md), so there the passes stay apart.
+The rows of all the copies are held at once: ``micro_batch_size`` still counts rollout rows.
+
 V is read where the policy's logits are: the hidden state at position ``t − 1`` values the state before completion
 token ``t`` is chosen (TRL's ``full_value[:, context_length − 1 : −1]``). The head is zero-initialised, so V starts
 at 0 (no baseline) and no random value noise enters the first advantages.
@@ -19,7 +29,7 @@ at 0 (no baseline) and no random value noise enters the first advantages.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,11 +38,21 @@ from torch import Tensor
 
 from trainer.config import LoraSpec, PPOHyperparameters, SpecError
 from trainer.engine import cat_padded, eager_attention_for_bf16_cpu
+from trainer.lora_forward import NO_ADAPTER, adapter_blocks, installed
 from trainer.models import ModelError, Precision, add_lora, autocast, load_base_model, store_frozen_linears_in
-from trainer.rollout import Rollout, completion_logprobs, micro_slices, position_ids
+from trainer.rollout import (
+    Rollout,
+    completion_logprobs,
+    completion_logprobs_from_logits,
+    micro_slices,
+    position_ids,
+)
 
 CRITIC_ADAPTER = "critic"
 POLICY_ADAPTER = "default"
+# Causal-LM settings under which the logits are not ``lm_head(final hidden state)`` (Gemma 2's soft cap, Cohere's
+# and Granite's scales): a fused pass, which applies ``lm_head`` itself, is not used for such a model.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 class Critic:
@@ -68,8 +88,19 @@ class Critic:
         else:
             self.model = add_lora(separate_base, lora.model_copy(update={"dropout": 0.0}), seed=seed + 1)
         backbone = self._backbone()
+        config = self.model.get_base_model().config
         hidden = int(backbone.config.hidden_size)
         device = next(self.model.parameters()).device
+        # The critic's passes can join the policy's: a second adapter on the same base, logits plain lm_head's. On
+        # this project's CPUs the joined passes measured no faster (the update slower: BENCHMARKS.md), so they are
+        # used on CUDA devices only, where a pass of a LoRA-sized model is bound by kernel launches.
+        self.can_fuse = (
+            self.shared
+            and not trunk
+            and not any(getattr(config, k, None) for k in LOGIT_TRANSFORMS)
+            and installed(policy)
+        )
+        self.fuses = self.can_fuse and device.type == "cuda"
         self.head = torch.nn.Linear(hidden, 1, device=device, dtype=torch.float32)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
@@ -130,6 +161,83 @@ class Critic:
             self.model.set_adapter(POLICY_ADAPTER)
             for p in trainable:
                 p.requires_grad_(True)
+
+    def _fused(
+        self,
+        batch: Rollout,
+        adapters: Sequence[str],
+        *,
+        temperature: float,
+        precision: Precision,
+        with_entropy: bool = False,
+    ) -> tuple[dict[str, Tensor], Tensor | None]:
+        """One forward of the shared base over a copy of ``batch``'s rows for each of ``adapters``, each copy through
+        its adapter: the completion log-probs [B, C] of every policy copy (``POLICY_ADAPTER``, ``NO_ADAPTER``) and V
+        [B, C] of the critic's, by adapter; the entropy of the policy's log-probs when asked. Differentiable when
+        grad is enabled."""
+        assert self.can_fuse and CRITIC_ADAPTER in adapters
+        n, c, k = len(batch), batch.completion_ids.shape[1], len(adapters)
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1).repeat(k, 1)
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1).repeat(k, 1)
+        with adapter_blocks(self.model, adapters), autocast(precision, ids.device):
+            hidden = self._backbone()(
+                input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False
+            ).last_hidden_state[:, -c - 1 : -1]  # position t − 1 predicts (and values the state before) token t
+        lm_head = self.model.get_base_model().get_output_embeddings()
+        out: dict[str, Tensor] = {}
+        entropy = None
+        for j, adapter in enumerate(adapters):
+            rows = hidden[j * n : (j + 1) * n]
+            if adapter == CRITIC_ADAPTER:
+                out[adapter] = self.head_values(rows)
+                continue
+            with autocast(precision, ids.device):  # the logits of one copy at a time: [B, C, V] fp32 at most
+                logits = lm_head(rows)
+            out[adapter], ent = completion_logprobs_from_logits(
+                logits,
+                batch.completion_ids,
+                temperature=temperature,
+                with_entropy=with_entropy and adapter == POLICY_ADAPTER,
+            )
+            entropy = ent if ent is not None else entropy
+        return out, entropy
+
+    def forward_with_policy(
+        self, batch: Rollout, *, temperature: float, precision: Precision, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The update's passes as one: the policy's log-probs [B, C] (and entropy), and V [B, C], with the graph."""
+        out, entropy = self._fused(
+            batch,
+            (POLICY_ADAPTER, CRITIC_ADAPTER),
+            temperature=temperature,
+            precision=precision,
+            with_entropy=with_entropy,
+        )
+        return out[POLICY_ADAPTER], entropy, out[CRITIC_ADAPTER]
+
+    @torch.no_grad()
+    def rollout_scores(
+        self,
+        batch: Rollout,
+        *,
+        policy: bool,
+        reference: bool,
+        temperature: float,
+        precision: Precision,
+        micro_batch_size: int | None,
+    ) -> tuple[Tensor, ...]:
+        """The rollout's passes as one, micro-batch by micro-batch: the policy's log-probs (when ``policy``), the
+        reference's (when ``reference``: the adapter disabled) and V_old, [N, C] each, in this order."""
+        adapters = [a for a, on in ((POLICY_ADAPTER, policy), (NO_ADAPTER, reference)) if on] + [CRITIC_ADAPTER]
+        parts: dict[str, list[Tensor]] = {a: [] for a in adapters}
+        for sl in micro_slices(len(batch), micro_batch_size):
+            out, _ = self._fused(
+                batch.select(torch.arange(sl.start, sl.stop)), adapters, temperature=temperature, precision=precision
+            )
+            for a in adapters:
+                parts[a].append(out[a])
+        width = batch.completion_ids.shape[1]
+        return tuple(cat_padded(parts[a], width) for a in adapters)
 
     def head_values(self, hidden: Tensor) -> Tensor:
         """V from the hidden states that predict each completion token: [B, C, H] → [B, C] fp32."""

@@ -26,9 +26,10 @@ from __future__ import annotations
 import copy
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +57,8 @@ from trainer.models import (
     trim_freed_memory,
 )
 from trainer.rollout import Rollout, completion_logprobs, micro_slices, position_ids
+
+T = TypeVar("T")
 
 # -- set-up ----------------------------------------------------------------------------------------------------------
 
@@ -192,6 +195,15 @@ class Engine:
 
     # -- the step's parts ------------------------------------------------------------------------------------------
 
+    def run_forward(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``: a forward of the engine's model for training, in train mode when LoRA has dropout
+        (eval mode again after it)."""
+        self.model.train(self.dropout)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.model.eval()
+
     def forward(
         self,
         batch: Rollout,
@@ -202,38 +214,30 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Log-probs [B, C] of the batch's completion tokens under the policy, with the graph (train mode when LoRA
         has dropout); entropy [B, C] (no graph) and the last hidden states [B, C, H] when asked."""
-        self.model.train(self.dropout)
-        try:
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            t, p, e = temperature, self.precision, with_entropy
             if with_hidden:
-                logp, ent, hidden = completion_logprobs(
-                    self.model,
-                    batch,
-                    temperature=temperature,
-                    precision=self.precision,
-                    with_entropy=with_entropy,
-                    with_hidden=True,
+                return completion_logprobs(
+                    self.model, batch, temperature=t, precision=p, with_entropy=e, with_hidden=True
                 )
-                return logp, ent, hidden
-            logp, ent = completion_logprobs(
-                self.model, batch, temperature=temperature, precision=self.precision, with_entropy=with_entropy
-            )
-            return logp, ent, None
-        finally:
-            self.model.eval()
+            return (*completion_logprobs(self.model, batch, temperature=t, precision=p, with_entropy=e), None)
+
+        return self.run_forward(forward)
 
     def token_logprobs(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log p(targets[b, t, k] | ids[b, ≤ t]) [B, T, K] in fp32 for right-padded token rows ids [B, T] (mask [B, T]
         1 on tokens): position t's logits scored against K candidate targets; with the graph when gradients are on
         (train mode when LoRA has dropout). Padding's entries are meaningless; the caller masks them."""
-        self.model.train(self.dropout)
-        try:
+
+        def forward() -> torch.Tensor:
             with autocast(self.precision, self.device):
                 out = self.model(
                     input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask.long()), use_cache=False
                 )
             return candidate_logprobs(out.logits, targets)
-        finally:
-            self.model.eval()
+
+        return self.run_forward(forward)
 
     @torch.no_grad()
     def logprobs(

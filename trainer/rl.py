@@ -452,6 +452,14 @@ class RLTrainer(EngineLoop):
         pmask = ro.policy_mask
         kl_in_reward = self.recipe.kl_placement == "reward" and hp.beta > 0
         critic, mbs = self.critic, hp.micro_batch_size
+        needs_old = not self.on_policy or kl_in_reward
+        sampling_logp = batch.samples.sampling_logp if self.rollout_engine.exact_logprobs else None
+        if needs_old and sampling_logp is not None and not self.trunk:
+            batch.old_logp = sampling_logp.to(self.device) * pmask  # exact: no policy pass
+        if critic is not None and critic.fuses:  # policy, reference and critic in one pass over the shared base
+            self._score_fused(batch, policy=needs_old and batch.old_logp is None, reference=hp.beta > 0)
+            batch.token_rewards = self._token_rewards(batch)
+            return
         if critic is not None and self.trunk:  # the policy's pass yields V_old too: no critic pass
             batch.old_logp, batch.values = self._by_rank(
                 ro,
@@ -459,13 +467,10 @@ class RLTrainer(EngineLoop):
                     part, temperature=hp.temperature, precision=self.precision, micro_batch_size=mbs
                 ),
             )
-        elif not self.on_policy or kl_in_reward:
-            if self.rollout_engine.exact_logprobs and batch.samples.sampling_logp is not None:
-                batch.old_logp = batch.samples.sampling_logp.to(self.device) * pmask  # exact: no policy pass
-            else:
-                (batch.old_logp,) = self._by_rank(
-                    ro, lambda part: (self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs),)
-                )
+        elif needs_old and batch.old_logp is None:
+            (batch.old_logp,) = self._by_rank(
+                ro, lambda part: (self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs),)
+            )
         if hp.beta > 0:
             (batch.ref_logp,) = self._by_rank(
                 ro,
@@ -483,6 +488,29 @@ class RLTrainer(EngineLoop):
             assert batch.old_logp is not None and batch.ref_logp is not None
             seq_kl = masked_sum(self.kl(batch.old_logp, batch.ref_logp), pmask, dim=-1)
             batch.samples.rewards = batch.samples.rewards - hp.beta * seq_kl.cpu()
+
+    def _score_fused(self, batch: Batch, *, policy: bool, reference: bool) -> None:
+        """The old (``policy``) and reference (``reference``) log-probs and V_old of an adapter critic: one pass."""
+        assert self.critic is not None
+        critic, hp = self.critic, self.hp
+        scores = list(
+            self._by_rank(
+                batch.rollout,
+                lambda part: critic.rollout_scores(
+                    part,
+                    policy=policy,
+                    reference=reference,
+                    temperature=hp.temperature,
+                    precision=self.precision,
+                    micro_batch_size=hp.micro_batch_size,
+                ),
+            )
+        )
+        if policy:
+            batch.old_logp = scores.pop(0)
+        if reference:
+            batch.ref_logp = scores.pop(0)
+        (batch.values,) = scores
 
     def _by_rank(self, ro: Rollout, fn: Callable[[Rollout], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
         """``fn``'s per-row results [N, …] over the batch: on several ranks each computes its block of rows and
@@ -583,9 +611,19 @@ class RLTrainer(EngineLoop):
         hp = self.hp
         part = batch.rollout.select(idx.to(self.device))
         mask = batch.loss_mask[idx]
-        logp, ent, hidden = self.engine.forward(
-            part, temperature=hp.temperature, with_entropy=first_pass, with_hidden=self.trunk
-        )
+        v = hidden = None
+        if self.critic is not None and self.critic.fuses:  # the policy's and the critic's forward as one
+            logp, ent, v = self.engine.run_forward(
+                self.critic.forward_with_policy,
+                part,
+                temperature=hp.temperature,
+                precision=self.precision,
+                with_entropy=first_pass,
+            )
+        else:
+            logp, ent, hidden = self.engine.forward(
+                part, temperature=hp.temperature, with_entropy=first_pass, with_hidden=self.trunk
+            )
         assert self.on_policy or batch.old_logp is not None
         old = logp.detach() if self.on_policy else batch.old_logp[idx]  # type: ignore[index]
         out = self.policy_loss(logp, old, adv.per_row[idx], mask, self.clip)
@@ -606,7 +644,7 @@ class RLTrainer(EngineLoop):
             assert batch.values is not None and adv.returns is not None
             if hidden is not None:  # the policy's trunk: its V joins this loss (TRL's shared model)
                 v = self.critic.head_values(hidden)
-            else:  # the critic's own graph: the policy's is backpropagated (and freed) first
+            elif v is None:  # the critic's own graph: the policy's is backpropagated (and freed) first
                 self.engine.backward(loss)
                 loss = loss.detach()
                 v = self.critic.values(part, precision=self.precision)

@@ -383,16 +383,28 @@ def completion_logprobs(
             logits_to_keep=c + 1,
             output_hidden_states=with_hidden,
         )
-    logits = out.logits[:, :-1].float()  # logits[:, t] predicts token t + 1: the last one predicts nothing we kept
+    # logits[:, t] predicts token t + 1: the last one predicts nothing we kept
+    logp, entropy = completion_logprobs_from_logits(
+        out.logits[:, :-1], batch.completion_ids, temperature=temperature, with_entropy=with_entropy
+    )
+    if with_hidden:
+        return logp, entropy, out.hidden_states[-1][:, -c - 1 : -1]  # the final norm's output, as lm_head reads
+    return logp, entropy
+
+
+def completion_logprobs_from_logits(
+    logits: Tensor, completion_ids: Tensor, *, temperature: float, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """The completion tokens' T-scaled log-probs [B, C] (fp32) from the logits that predict them, [B, C, V]: the
+    position before each token; and their entropy (no graph) when asked."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp = selective_log_softmax(logits, batch.completion_ids)
+    logp = selective_log_softmax(logits, completion_ids)
     entropy = None
     if with_entropy:
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach())
-    if with_hidden:
-        return logp, entropy, out.hidden_states[-1][:, -c - 1 : -1]  # the final norm's output, as lm_head reads
     return logp, entropy
 
 

@@ -157,6 +157,100 @@ def test_ppo_refuses_a_value_model_with_another_vocabulary(
     assert err.value.param == "method.ppo.hyperparameters.value_model"
 
 
+def _distinct_adapters(t: RLTrainer) -> None:
+    """Random LoRA B's and head, different for the policy and the critic: zero-initialised B's make both adapters
+    the identity, where routing a row through the wrong one would go unseen."""
+    assert t.critic is not None
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in t.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        t.critic.head.weight.copy_(torch.randn(t.critic.head.weight.shape, generator=g))
+
+
+def test_the_adapter_critic_shares_the_policys_passes_with_the_same_results(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """The rollout's old log-probs, reference log-probs and V from one pass over three copies of the rows (each
+    through its adapter) equal the three separate passes, micro-batched or not; the update's one forward and one
+    backward give the policy's and the critic's gradients of two separate forwards and backwards."""
+    spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1))
+    t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
+    assert t.critic is not None and t.critic.can_fuse
+    _distinct_adapters(t)
+    ro = t.collect().rollout
+    m = ro.completion_mask.bool()
+    with torch.no_grad():
+        old = t.engine.logprobs(ro, temperature=1.0, micro_batch_size=None)
+        ref = t.engine.logprobs(ro, temperature=1.0, micro_batch_size=None, reference=True)
+        values = t.critic.rollout_values(ro, precision="fp32", micro_batch_size=None)
+    assert (old - ref)[m].abs().max() > 1e-2 and values[m].std() > 1e-2  # the three passes differ
+    for mbs in (None, 3):
+        f_old, f_ref, f_values = t.critic.rollout_scores(
+            ro, policy=True, reference=True, temperature=1.0, precision="fp32", micro_batch_size=mbs
+        )
+        torch.testing.assert_close(f_old[m], old[m], rtol=0, atol=1e-5)
+        torch.testing.assert_close(f_ref[m], ref[m], rtol=0, atol=1e-5)
+        torch.testing.assert_close(f_values[m], values[m], rtol=0, atol=1e-5)
+    (only_v,) = t.critic.rollout_scores(
+        ro, policy=False, reference=False, temperature=1.0, precision="fp32", micro_batch_size=None
+    )
+    torch.testing.assert_close(only_v[m], values[m], rtol=0, atol=1e-5)
+
+    weights = torch.randn(ro.completion_ids.shape, generator=torch.Generator().manual_seed(3)) * m
+    params = [*t.params, *t.critic_params]
+
+    def grads() -> list[torch.Tensor]:
+        out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        t.engine.zero_grad()
+        for p in t.critic_params:
+            p.grad = None
+        return out
+
+    t.engine.zero_grad()
+    logp, _, _ = t.engine.forward(ro, temperature=1.0)
+    (logp * weights).sum().backward()
+    (t.critic.values(ro, precision="fp32") * weights).sum().backward()
+    separate = grads()
+    f_logp, ent, v = t.critic.forward_with_policy(ro, temperature=1.0, precision="fp32", with_entropy=True)
+    assert ent is not None and ent.shape == ro.completion_ids.shape
+    torch.testing.assert_close(f_logp[m], logp.detach()[m], rtol=0, atol=1e-5)
+    ((f_logp + v) * weights).sum().backward()
+    fused = grads()
+    assert sum(int(g.abs().sum() > 0) for g in separate) == len(params)  # every LoRA matrix and the head
+    for a, b in zip(separate, fused, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert t.model.active_adapter == "default"
+    assert not any(mod._forward_pre_hooks for mod in t.model.modules())  # the routing is gone after the pass
+    again, _, _ = t.engine.forward(ro, temperature=1.0)
+    assert torch.equal(again, logp)
+
+
+def test_ppo_with_the_passes_shared_trains_as_with_separate_passes(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """Three PPO steps (two iterations of two mini-batches each, the adaptive β) with the critic's passes joined to
+    the policy's and with them apart: the same metrics and adapters, to float rounding."""
+    raw = ppo_spec(random_model_dir, arithmetic_data, max_steps=3, mini_batches=2, target_kl=0.01, kl_horizon=50)
+    runs = []
+    for fuses in (True, False):
+        out = tmp_path / str(fuses)
+        t = RLTrainer(parse_spec(raw), output_dir=out, callback=JsonlFiles(out))
+        assert t.critic is not None and t.critic.can_fuse and not t.critic.fuses  # joined on CUDA only
+        t.critic.fuses = fuses
+        t.run()
+        runs.append((deterministic(read_metrics(out)), [p.detach().clone() for p in (*t.params, *t.critic_params)]))
+    (m_fused, w_fused), (m_apart, w_apart) = runs
+    assert len(m_fused) == len(m_apart) == 4  # the validation before step 1, then the 3 steps
+    for a, b in zip(m_fused, m_apart, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), k
+    for a, b in zip(w_fused, w_apart, strict=True):
+        assert float((a - b).norm()) <= 1e-3 * max(float(b.norm()), 1e-6)
+
+
 def test_critic_fits_per_token_targets_through_its_adapter_and_head(
     random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
