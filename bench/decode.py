@@ -31,6 +31,7 @@ from common import (
     SEED,
     build_assets,
     emit_result,
+    idle_runs,
     peak_rss_mib,
     run_worker,
 )
@@ -55,7 +56,7 @@ def matmul_floor_s(model: Any, rows: int, dtype: Any, reps: int = 50) -> float:
     return best
 
 
-def worker(model_dir: Path, prompts: Path, precision: str, gens: int, warmup: int) -> dict[str, Any]:
+def worker(model_dir: Path, prompts: Path, precision: str, gens: int, warmup: int, decode: str) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
@@ -77,6 +78,7 @@ def worker(model_dir: Path, prompts: Path, precision: str, gens: int, warmup: in
         device=device,
         precision=precision,  # type: ignore[arg-type]
         base_copy=policy.base_copy,
+        decode=decode,  # type: ignore[arg-type]
     )
     params = SamplingParams(COMPLETION, 1.0, 1.0, COMPLETION)
     generator = torch.Generator().manual_seed(SEED)
@@ -93,8 +95,10 @@ def worker(model_dir: Path, prompts: Path, precision: str, gens: int, warmup: in
     sampler, _ = engine.sampling_model()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     floor = matmul_floor_s(sampler, len(rows), dtype)
+    decoder = engine._decoder
     return {
         "step_s": times,
+        "compile_s": decoder.compile_s if decoder is not None else 0.0,
         "per_token_ms": [1000 * t / COMPLETION for t in times],
         "floor_ms": 1000 * floor,
         "peak_rss_mib": peak_rss_mib(),
@@ -114,34 +118,50 @@ def main() -> None:
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument(
+        "--decode",
+        default="dynamic",
+        help="comma-separated sides, alternating each round: dynamic (HF's growing cache, the default engine), "
+        "static (a static cache), compiled (a static cache and a torch.compile'd step; its compile is in the warm-up "
+        "and reported apart)",
+    )
     a = p.parse_args()
     if a.worker:
         import torch
 
         if a.threads:
             torch.set_num_threads(a.threads)
-        emit_result(worker(Path(a.model_dir), Path(a.prompts), a.precision, a.steps, a.warmup))
+        emit_result(worker(Path(a.model_dir), Path(a.prompts), a.precision, a.steps, a.warmup, a.decode))
         return
     model_dir, prompts = build_assets(a.workdir, a.model)
     argv = ["--model-dir", str(model_dir), "--prompts", str(prompts), "--precision", a.precision]
     argv += ["--steps", str(a.steps), "--warmup", str(a.warmup)] + (["--threads", str(a.threads)] if a.threads else [])
-    medians, floors = [], []
+    sides = a.decode.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for r in range(a.rounds):
-        res = run_worker(__file__, "ours", argv)
-        med = statistics.median(res["per_token_ms"])
-        medians.append(med)
-        floors.append(res["floor_ms"])
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            res = run_worker(__file__, "ours", [*argv, "--decode", side])
+            res["median_ms"] = statistics.median(res["per_token_ms"])
+            runs[side].append(res)
+            print(
+                f"round {r + 1} {side}: {res['median_ms']:.2f} ms/token (generations "
+                f"{' '.join(f'{t:.3f}' for t in res['step_s'])} s), compile {res['compile_s']:.1f} s, matmul floor "
+                f"{res['floor_ms']:.2f} ms/step (load {res['load_start']} → {res['load_end']})"
+                + (" UNDER LOAD: left out" if res.get("loaded") else ""),
+                flush=True,
+            )
+    for side, every in runs.items():
+        rs = idle_runs(every)
+        medians, floors = [x["median_ms"] for x in rs], [x["floor_ms"] for x in rs]
+        ratio = statistics.median(medians) / statistics.median(floors)
+        compiles = [x["compile_s"] for x in rs]
         print(
-            f"round {r + 1}: {med:.2f} ms/token (generations {' '.join(f'{t:.3f}' for t in res['step_s'])} s), "
-            f"matmul floor {res['floor_ms']:.2f} ms/step (load {res['load_start']} → {res['load_end']})",
-            flush=True,
+            f"{a.model} {a.precision} {side}: decode {statistics.median(medians):.2f} ms/token "
+            f"[{min(medians):.2f}, {max(medians):.2f}], matmul floor {statistics.median(floors):.2f} ms "
+            f"[{min(floors):.2f}, {max(floors):.2f}]: {ratio:.1f}× the floor; compile "
+            f"{statistics.median(compiles):.1f} s [{min(compiles):.1f}, {max(compiles):.1f}]; "
+            f"{len(every) - len(rs)} of {len(every)} rounds left out"
         )
-    ratio = statistics.median(medians) / statistics.median(floors)
-    print(
-        f"{a.model} {a.precision}: decode {statistics.median(medians):.2f} ms/token "
-        f"[{min(medians):.2f}, {max(medians):.2f}], matmul floor {statistics.median(floors):.2f} ms "
-        f"[{min(floors):.2f}, {max(floors):.2f}]: {ratio:.1f}× the floor"
-    )
 
 
 if __name__ == "__main__":

@@ -194,6 +194,12 @@ class RLHyperparameters(Hyperparameters):
     loss_aggregation: AggregationName = "seq_mean_token_mean"
     mask_truncated_completions: bool = False
     rollouts_logged: int = Field(4, ge=0, le=256, description="sampled rollouts written per step, up to 256")
+    compile_decode: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="the HF engine's decode step on a static KV cache, compiled by torch.compile once per process "
+        "and shape (its compile cache kept on disk): on, off, or auto: on where it was measured to pay (a bf16 "
+        "sampler on a CPU with fast bf16) when the job decodes enough tokens to amortise the compile",
+    )
     # OpenAI's reinforcement hyperparameters (a job body copied from OpenAI runs unchanged; README "Hyperparameters").
     compute_multiplier: float = Field(
         1.0,

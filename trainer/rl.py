@@ -65,7 +65,13 @@ from trainer.evaluate import (
     grade_batch,
     remote_config,
 )
-from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
+from trainer.generation import (
+    HFRolloutEngine,
+    RolloutEngine,
+    SamplingParams,
+    decode_mode,
+    use_compile_cache,
+)
 from trainer.models import Precision, default_device, load_tokenizer, resolve_precision, trainable_parameters
 from trainer.overoptimisation import OveroptimisationWatch
 from trainer.recipes import RECIPES, Recipe
@@ -188,6 +194,14 @@ class RLTrainer(EngineLoop):
             sampler_copy=self.precision == "bf16" and rollout_engine is None,
         )
         self.model = policy.model
+        decode = decode_mode(
+            hp.compile_decode,
+            device=self.device,
+            bf16_sampler=policy.base_copy is not None,
+            decode_steps=self.total_steps * hp.max_completion_tokens,
+        )
+        if decode == "compiled":
+            use_compile_cache()
         self.rollout_engine: RolloutEngine = (
             rollout_engine(self.model, self.tokenizer)
             if rollout_engine is not None
@@ -198,8 +212,10 @@ class RLTrainer(EngineLoop):
                 device=self.device,
                 precision=self.precision,
                 base_copy=policy.base_copy,
+                decode=decode,
             )
         )
+        self.compile_s_reported = 0.0
         agent = spec.method.agent
         self.agent = (
             AgentRollouts(
@@ -437,12 +453,25 @@ class RLTrainer(EngineLoop):
                 f"dynamic sampling filled {n_kept} of {hp.batch_size} groups after "
                 f"{draws.sampling_batches} rollout batches (max_sampling_batches)",
             )
+        self._report_compile()
         samples = Samples.concat(kept or [s.select([])], self.tokenizer.pad_token_id)
         samples.rollout = samples.rollout.to(self.device)
         mask = samples.rollout.policy_mask.to(torch.float32)
         if hp.mask_truncated_completions:
             mask = mask * (~samples.rollout.truncated).unsqueeze(-1).float()
         return Batch(samples, draws, loss_mask=mask)
+
+    def _report_compile(self) -> None:
+        """An event when the engine compiled its decode step (once per process and shape: the step's time has it)."""
+        total = float(getattr(self.rollout_engine, "compile_s", 0.0))
+        if total > self.compile_s_reported:
+            self.cb.on_event(
+                "info",
+                f"compiled the decode step in {total - self.compile_s_reported:.1f} s (once per process and shape; "
+                "later steps reuse it)",
+                {"compile_s": round(total - self.compile_s_reported, 3)},
+            )
+            self.compile_s_reported = total
 
     # -- score -----------------------------------------------------------------------------------------------------
 

@@ -8,9 +8,10 @@ positions (§4.2). Log-probs divide the logits by the sampling temperature (§4.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -164,6 +165,54 @@ def top_k_logits(logits: Tensor, k: int) -> Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+CACHE_BUCKET = 64  # a static cache's length is the prompt plus the new tokens rounded up to this: few shapes
+
+
+class StaticDecoder:
+    """A sampling model's decode steps on a static KV cache (HF's ``StaticCache``) with fixed shapes: the cache is
+    the prompt plus the new tokens rounded up to ``CACHE_BUCKET``, and the attention mask is that long from the
+    start, so every decode step of a generation, and of every later generation of the same rows and bucket, has
+    the same shapes. With ``compiled`` the step is ``torch.compile``'d once for the decoder's life (a second shape
+    makes torch compile a dynamic-shape graph that serves the rest); torch's FX graph cache keeps the compiled code on
+    disk (``TORCHINDUCTOR_CACHE_DIR``), so a later process compiles faster. Uncompiled it is the same computation
+    eagerly (what the tests compare the dynamic cache with). ``compile_s`` sums the calls that compiled."""
+
+    def __init__(self, model: torch.nn.Module, *, compiled: bool) -> None:
+        self.model, self.compiled = model, compiled
+        self._step = torch.compile(self._forward) if compiled else self._forward
+        self._shapes: set[tuple[int, int]] = set()
+        self.compile_s = 0.0
+
+    def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache_position: Tensor, cache: Any) -> Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache_position=cache_position,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1]
+
+    def cache(self, rows: int, prompt: int, new_tokens: int) -> tuple[Any, int]:
+        """A fresh static cache for ``rows`` rows of ``prompt`` + ``new_tokens`` tokens, and its length."""
+        from transformers import StaticCache
+
+        length = -(-(prompt + new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
+        return StaticCache(config=self.model.config, max_cache_len=length), length
+
+    def step(self, ids: Tensor, mask: Tensor, pos: Tensor, cache_position: Tensor, cache: Any) -> Tensor:
+        """The next logits [N, V] after ``ids`` [N, 1] at ``pos`` [N, 1], written at ``cache_position`` [1]."""
+        shape = (ids.shape[0], mask.shape[1])
+        if not self.compiled or shape in self._shapes:
+            return self._step(ids, mask, pos, cache_position, cache)
+        t0 = time.perf_counter()
+        out = self._step(ids, mask, pos, cache_position, cache)
+        self._shapes.add(shape)
+        self.compile_s += time.perf_counter() - t0
+        return out
+
+
 @overload
 def generate(
     model: torch.nn.Module,
@@ -183,6 +232,7 @@ def generate(
     row_seeds: Sequence[int] | None = None,
     precision: Precision = "fp32",
     with_logprobs: Literal[False] = False,
+    decoder: StaticDecoder | None = None,
 ) -> Rollout: ...
 
 
@@ -205,6 +255,7 @@ def generate(
     row_seeds: Sequence[int] | None = None,
     precision: Precision = "fp32",
     with_logprobs: Literal[True],
+    decoder: StaticDecoder | None = None,
 ) -> tuple[Rollout, Tensor]: ...
 
 
@@ -227,6 +278,7 @@ def generate(
     row_seeds: Sequence[int] | None = None,
     precision: Precision = "fp32",
     with_logprobs: bool,
+    decoder: StaticDecoder | None = None,
 ) -> Rollout | tuple[Rollout, Tensor]: ...
 
 
@@ -249,6 +301,7 @@ def generate(
     row_seeds: Sequence[int] | None = None,
     precision: Precision = "fp32",
     with_logprobs: bool = False,
+    decoder: StaticDecoder | None = None,
 ) -> Rollout | tuple[Rollout, Tensor]:
     """Sample one completion per prompt row with a KV cache. prompt_ids, prompt_mask [N, P] → :class:`Rollout`.
 
@@ -264,6 +317,8 @@ def generate(
     the model's T-scaled log-softmax at sampling time, before EOS is held off and before the top-p cut, i.e. what
     :func:`completion_logprobs` computes with a full forward. Equal to it up to float rounding (KV-cache decoding vs
     one pass) when the sampler is the policy itself in fp32; not with a bf16 sampler copy (test_rollout).
+
+    ``decoder`` decodes on its static cache (:class:`StaticDecoder`, compiled or not) instead of a growing one.
     """
     device = prompt_ids.device
     n = prompt_ids.shape[0]
@@ -272,16 +327,22 @@ def generate(
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     stops = None if stop_ids is None else torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    p = prompt_ids.shape[1]
+    static = None
+    if decoder is not None:  # the whole mask from the start: the prompt's, then a 0 for every position to come
+        static, length = decoder.cache(n, p, max_new_tokens)
+        mask = torch.cat([mask, mask.new_zeros((n, length - p))], dim=1)
     with autocast(precision, device):
         step = model(
             input_ids=prompt_ids,
             attention_mask=mask,
-            position_ids=position_ids(mask),
+            position_ids=position_ids(prompt_mask),
             use_cache=True,
             logits_to_keep=1,
+            **({} if static is None else {"past_key_values": static, "cache_position": torch.arange(p, device=device)}),
         )
     past, logits = step.past_key_values, step.logits[:, -1]
-    pos = position_ids(mask)[:, -1:]
+    pos = position_ids(prompt_mask)[:, -1:]
     logps = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device) if with_logprobs else None
     uniforms = None if row_seeds is None else row_uniforms(row_seeds, max_new_tokens, device)
     for t in range(max_new_tokens):
@@ -311,8 +372,13 @@ def generate(
         done = done | newly
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
         pos = pos + 1
+        if decoder is not None:
+            mask[:, p + t] = (~done).long()
+            with autocast(precision, device):
+                logits = decoder.step(tok.unsqueeze(-1), mask, pos, torch.tensor([p + t], device=device), past)
+            continue
+        mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
         with autocast(precision, device):
             step = model(
                 input_ids=tok.unsqueeze(-1),

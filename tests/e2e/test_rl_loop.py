@@ -412,3 +412,33 @@ def test_reward_clip_clips_the_reward_trained_on_and_reports_the_fraction(
     step = read_metrics(tmp_path)[-1]
     assert step[M.REWARD_CLIP_FRAC] == pytest.approx(float((rewards > 0.3).float().mean()))
     assert step[M.REWARD_MEAN] == pytest.approx(float(rewards.mean()))  # the grader's reward, as reported
+
+
+def test_a_compiled_decode_step_trains_as_the_growing_cache_does(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compile_decode on: the engine decodes on a static cache with a compiled step, says once what compiling cost,
+    keeps its compile cache under PROXIMA_HOME, and the run's metrics are those of compile_decode off (the same
+    draws; fp32 logits equal to rounding)."""
+    monkeypatch.setenv("PROXIMA_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset")  # recorded, so that the test leaves it as it was
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    runs = {}
+    for setting in ("on", "off"):
+        out = tmp_path / setting
+        rec = Recorder()
+        spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=2, compile_decode=setting))
+        t = RLTrainer(spec, output_dir=out, callback=Callbacks(JsonlFiles(out), rec))
+        assert isinstance(t.rollout_engine, HFRolloutEngine)
+        assert t.rollout_engine.decode == ("compiled" if setting == "on" else "dynamic")
+        t.run()
+        compiled = [m for _, m in rec.events if m.startswith("compiled the decode step")]
+        assert len(compiled) == (1 if setting == "on" else 0), rec.events
+        runs[setting] = deterministic(read_metrics(out))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home" / "torch-compile")
+    assert any((tmp_path / "home" / "torch-compile").iterdir())
+    assert len(runs["on"]) == len(runs["off"]) == 3  # the validation before step 1, then 2 steps
+    for a, b in zip(runs["on"], runs["off"], strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k

@@ -1,6 +1,7 @@
 """trainer.rollout on a tiny random Llama: greedy decoding against full forward passes done by hand, EOS and padding
 handling, seeded sampling, and batched log-probs against each sequence alone (rl-algorithms.md §5, items 1–5)."""
 
+import copy
 import math
 from typing import Any
 
@@ -9,7 +10,15 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from trainer.core_algos import entropy_from_logits
-from trainer.rollout import Rollout, _sample_next, completion_logprobs, generate, left_pad, position_ids
+from trainer.rollout import (
+    Rollout,
+    StaticDecoder,
+    _sample_next,
+    completion_logprobs,
+    generate,
+    left_pad,
+    position_ids,
+)
 
 VOCAB = 32
 PAD = 0
@@ -521,3 +530,61 @@ def test_inverse_cdf_draws_never_land_on_a_zero_weight_token_at_either_end() -> 
     assert _draw(w, None, ends[0]).tolist() == [1, 2]  # the first of positive weight
     assert _draw(w, None, ends[1]).tolist() == [3, 2]  # a draw rounding up to the total: the last of positive weight
     assert _draw(w, None, torch.tensor([0.45, 0.7], dtype=torch.float64)).tolist() == [2, 2]  # 0.2 ≤ 0.45 < 0.5
+
+
+def _sample_with(model: torch.nn.Module, decoder: StaticDecoder | None, seed: int) -> tuple[Rollout, torch.Tensor]:
+    ids, mask = left_pad(PROMPTS * 3, PAD)
+    return generate(
+        EosBias(model, 3.0) if decoder is None else decoder.model,
+        ids,
+        mask,
+        max_new_tokens=9,
+        eos_id=EOS,
+        pad_id=PAD,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(seed),
+        with_logprobs=True,
+        decoder=decoder,
+    )
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_static_cache_decoder_samples_what_the_growing_cache_samples(model: LlamaForCausalLM, compiled: bool) -> None:
+    """The static cache (mask as long as the cache from the start, a 0 for every position to come) and its compiled
+    step sample the same tokens with the same log-probs as the growing cache, rows ending early included; after the
+    weights change in place (a merged sampler's sync) it samples from the new weights, and a second generation of
+    the same shape compiles nothing more."""
+    model = copy.deepcopy(model)
+    biased = EosBias(model, 3.0)
+    biased.config = model.config  # type: ignore[assignment]
+    decoder = StaticDecoder(biased, compiled=compiled)
+    for seed in (3, 4):
+        if seed == 4:
+            with torch.no_grad():
+                for w in model.parameters():
+                    w.mul_(1.1)
+        want, want_lp = _sample_with(model, None, seed)
+        got, got_lp = _sample_with(model, decoder, seed)
+        assert bool(want.completion_mask.bool().any()) and not bool(want.completion_mask.bool().all())
+        for x, y in zip(got.tensors(), want.tensors(), strict=True):
+            assert torch.equal(x, y)
+        torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+        if seed == 3:
+            first = decoder.compile_s
+    assert (first > 0) == compiled and decoder.compile_s == first
+
+
+def test_compile_decode_auto_compiles_only_a_fast_bf16_cpu_sampler_of_a_long_enough_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trainer.generation as generation
+
+    cpu, long = torch.device("cpu"), generation.COMPILE_MIN_DECODE_STEPS
+    monkeypatch.setattr(generation, "fast_bf16_available", lambda device: True)
+    assert generation.decode_mode("auto", device=cpu, bf16_sampler=True, decode_steps=long) == "compiled"
+    assert generation.decode_mode("auto", device=cpu, bf16_sampler=True, decode_steps=long - 1) == "dynamic"
+    assert generation.decode_mode("auto", device=cpu, bf16_sampler=False, decode_steps=long) == "dynamic"
+    assert generation.decode_mode("on", device=cpu, bf16_sampler=False, decode_steps=1) == "compiled"
+    assert generation.decode_mode("off", device=cpu, bf16_sampler=True, decode_steps=long) == "dynamic"
+    monkeypatch.setattr(generation, "fast_bf16_available", lambda device: False)
+    assert generation.decode_mode("auto", device=cpu, bf16_sampler=True, decode_steps=long) == "dynamic"
