@@ -65,6 +65,7 @@ from common import (
     emit_result,
     flop_terms,
     format_phases,
+    idle_runs,
     patch_backward,
     prompt_lengths,
     run_rounds,
@@ -106,7 +107,7 @@ def matmul_gflops(dtype_name: str, size: int = 2048, seconds: float = 1.5) -> fl
 # -- workers: one side's run in its own process -----------------------------------------------------------------
 
 
-def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int) -> Any:
+def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int, compile_decode: str = "auto") -> Any:
     """The benchmark run as our job spec (a :class:`trainer.config.JobSpec`)."""
     from trainer.config import parse_spec
 
@@ -135,6 +136,7 @@ def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int) 
                         "checkpoint_interval": 10**6,
                         "rollouts_logged": 0,
                         "precision": precision,
+                        "compile_decode": compile_decode,
                     },
                     "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": "all-linear"},
                 },
@@ -143,7 +145,9 @@ def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int) 
     )
 
 
-def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup: int) -> dict[str, Any]:
+def run_ours(
+    model_dir: Path, prompts: Path, precision: str, steps: int, warmup: int, compile_decode: str = "auto"
+) -> dict[str, Any]:
     import torch
 
     import trainer.critic as critic_mod
@@ -155,11 +159,15 @@ def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup:
     phases = PhaseTimer()
     clock = StepClock(warmup, phases)
     lengths: list[tuple[float, float]] = []
+    compile_s = [0.0]  # the decode step's compile (in the warm-up's generation), from the loop's event
 
     class Clock(BaseCallback):
         def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
             clock.step_end()
             lengths.append((metrics["completion_len/mean"], metrics["completion_len/max"]))
+
+        def on_event(self, level: Any, message: str, data: dict[str, Any] | None = None) -> None:
+            compile_s[0] += float((data or {}).get("compile_s", 0.0))
 
     def logp_phase(*_: Any, **__: Any) -> str:
         return "policy_fwd" if torch.is_grad_enabled() else "reference"
@@ -172,7 +180,7 @@ def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup:
     rl.grade_batch = phases.wrap(rl.grade_batch, "reward")  # type: ignore[assignment]
     rl.decode_completions = phases.wrap(rl.decode_completions, "reward")  # type: ignore[assignment]
     patch_backward(phases)
-    spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps)
+    spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps, compile_decode=compile_decode)
     with tempfile.TemporaryDirectory() as out:
         t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device(DEVICE))
         # Wraps the scheduler's own step-tracking wrapper, so the scheduler still sees every optimiser step.
@@ -182,6 +190,7 @@ def run_ours(model_dir: Path, prompts: Path, precision: str, steps: int, warmup:
     assert all(mean == COMPLETION and mx == COMPLETION for mean, mx in lengths), f"ours: lengths {lengths}"
     return {
         "step_s": clock.times,
+        "compile_s": compile_s[0],
         "peak_rss_mib": clock.peak_rss_mib,
         "peak_gpu_mib": clock.peak_gpu_mib,
         "phases": phases.sums,
@@ -292,7 +301,7 @@ def worker_main(a: argparse.Namespace) -> None:
     torch.manual_seed(SEED)
     model_dir, prompts = Path(a.model_dir), Path(a.prompts)
     if a.worker == "ours":
-        res = run_ours(model_dir, prompts, a.precision, a.steps, a.warmup)
+        res = run_ours(model_dir, prompts, a.precision, a.steps, a.warmup, a.compile_decode)
     else:
         res = run_trl(model_dir, prompts, a.precision, a.steps, a.warmup, a.trl_gradient_checkpointing)
     res["threads"] = torch.get_num_threads()
@@ -304,7 +313,7 @@ def worker_main(a: argparse.Namespace) -> None:
 
 def run_side(side: str, model_dir: Path, prompts: Path, a: argparse.Namespace) -> dict[str, Any]:
     argv = ["--model-dir", str(model_dir), "--prompts", str(prompts), "--precision", a.precision]
-    argv += ["--steps", str(a.steps), "--warmup", str(a.warmup)]
+    argv += ["--steps", str(a.steps), "--warmup", str(a.warmup), "--compile-decode", a.compile_decode]
     if a.trl_gradient_checkpointing:
         argv.append("--trl-gradient-checkpointing")
     if a.threads:
@@ -313,6 +322,7 @@ def run_side(side: str, model_dir: Path, prompts: Path, a: argparse.Namespace) -
 
 
 PHASES = ["generation", "reference", "policy_fwd", "backward", "optimizer", "reward"]
+AMORTISED_STEPS = 200  # the job length the one-time compile is spread over
 
 
 def main() -> None:
@@ -327,6 +337,13 @@ def main() -> None:
     p.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off: the same work")
     p.add_argument("--threads", type=int, help="torch threads on both sides (default: torch's, one per core)")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument(
+        "--compile-decode",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="ours: the job's compile_decode (auto, what a job this short gets: off); on: its compile, in the "
+        "warm-up, is reported apart and amortised over a 200-step job",
+    )
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -372,11 +389,24 @@ def main() -> None:
         )
     if "ours" in summary and "trl" in summary:
         o, t = summary["ours"], summary["trl"]
+        by_round = [tr / ov for ov, tr in zip(o["round_medians"], t["round_medians"], strict=False)]
         print(
-            f"ours/TRL: throughput {t['s_per_step'] / o['s_per_step']:.2f}×, "
+            f"ours/TRL: throughput {t['s_per_step'] / o['s_per_step']:.2f}× "
+            f"(medians {t['s_median'] / o['s_median']:.2f}×; by round "
+            + ", ".join(f"{r:.2f}×" for r in by_round)
+            + "), "
             f"peak RSS {o['peak_rss_mib'] / t['peak_rss_mib']:.2f}×"
             + (f", peak GPU memory {o['peak_gpu_mib'] / t['peak_gpu_mib']:.2f}×" if t["peak_gpu_mib"] else "")
+            + f"; rounds left out (started under load): ours {o['rounds_under_load']}, TRL {t['rounds_under_load']}"
         )
+        compiles = [r.get("compile_s", 0.0) for r in idle_runs(runs["ours"])]
+        if any(compiles):
+            c = statistics.median(compiles)
+            amortised = (c + AMORTISED_STEPS * o["s_median"]) / AMORTISED_STEPS
+            print(
+                f"the decode step's compile: {c:.1f} s (runs: {', '.join(f'{x:.1f}' for x in compiles)}); over a "
+                f"{AMORTISED_STEPS}-step job ours {amortised:.3f} s/step: {t['s_median'] / amortised:.2f}× TRL"
+            )
     print("\nseconds per step by phase (the rest: data, advantages, loss arithmetic, metrics):")
     for side, s in summary.items():
         print(f"  {side:4s}: {format_phases(s['phases_per_step'], PHASES)}")
