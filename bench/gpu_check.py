@@ -5,13 +5,16 @@ Run on a machine with a GPU (CI has none; the suite runs on the CPU; without the
     PROXIMA_BENCH_DEVICE=cuda python bench/gpu_check.py
 
 Each method trains 3 steps on ``cuda`` in bf16 (the ``auto`` precision there): GRPO (sampling from the merged bf16
-copy), RLOO, PPO with the critic adapter, PPO with the trunk head, PPO graded by a reward model, the reward model
-itself, DPO and supervised. It checks that every metric is finite, that the step's tensors lived on the GPU (peak
-memory allocated > 0) and that the adapter saved at the end loads with ``PeftModel.from_pretrained`` on the GPU and
-gives the trained policy's log-probs. Then GRPO once more as the worker runs a job asking for ``resources.gpus``:
-through its launcher (``worker.launch``: torch's elastic launcher, NCCL on the GPU), world size 1 on a one-GPU
-machine (``GPU_CHECK_RANKS=N`` for N ranks where N GPUs are). Prints one line per method and exits non-zero on the
-first failure.
+copy; again with the compiled decode step, ``compile_decode: on``), Dr. GRPO, DAPO, RLOO, REINFORCE, PPO with the
+critic adapter (its passes joined to the policy's, the default on CUDA), PPO with the trunk head, PPO graded by a
+reward model, the reward model itself, DPO and supervised. It checks that every metric is finite, that the step's
+tensors lived on the GPU (peak memory allocated > 0) and that the adapter saved at the end loads with
+``PeftModel.from_pretrained`` on the GPU and gives the trained policy's log-probs. Then the critic's joined passes
+against the passes apart on one rollout (the same log-probs and values; the milliseconds of each, for the choice of
+default). Then GRPO once more as the worker runs a job asking for ``resources.gpus``: through its launcher
+(``worker.launch``: torch's elastic launcher, NCCL on the GPU), world size 1 on a one-GPU machine
+(``GPU_CHECK_RANKS=N`` for N ranks where N GPUs are). Prints one line per method and exits non-zero on the first
+failure.
 """
 
 from __future__ import annotations
@@ -118,6 +121,76 @@ def check(name: str, raw: dict[str, Any], out: Path) -> Path:
     return res.adapter_dir
 
 
+def check_joined_passes(raw: dict[str, Any], out: Path, reps: int = 5) -> None:
+    """PPO's adapter critic: its passes joined to the policy's (one pass over the copies of the rows, the default on
+    CUDA) against the passes apart, on one rollout: the same log-probs and values, and the seconds of each, median
+    of ``reps`` alternating runs (synchronised), for the rollout's scores and for the update's forward + backward."""
+    import statistics
+
+    import torch
+
+    from trainer.callbacks import BaseCallback
+    from trainer.config import parse_spec
+    from trainer.rl import RLTrainer
+
+    t = RLTrainer(parse_spec(raw), output_dir=out, callback=BaseCallback(), device=torch.device(DEVICE))
+    critic = t.critic
+    assert critic is not None and critic.can_fuse, "the adapter critic can join the policy's passes"
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # distinct adapters: zero B's would make both the identity
+        for n, p in t.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(p.device))
+        critic.head.weight.copy_(torch.randn(critic.head.weight.shape, generator=g).to(critic.head.weight.device))
+    ro = t.collect().rollout
+    m = ro.completion_mask.bool()
+    kw = {"temperature": 1.0, "micro_batch_size": None}
+
+    def sync() -> None:
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+
+    def apart() -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return (
+                t.engine.logprobs(ro, **kw),
+                t.engine.logprobs(ro, **kw, reference=True),
+                critic.rollout_values(ro, precision=t.precision, micro_batch_size=None),
+            )
+
+    def joined() -> tuple[torch.Tensor, ...]:
+        return critic.rollout_scores(ro, policy=True, reference=True, precision=t.precision, **kw)
+
+    def update_apart() -> None:
+        logp, _, _ = t.engine.forward(ro, temperature=1.0)
+        logp.sum().backward()
+        critic.values(ro, precision=t.precision).sum().backward()
+
+    def update_joined() -> None:
+        logp, _, v = t.engine.run_forward(critic.forward_with_policy, ro, temperature=1.0, precision=t.precision)
+        (logp.sum() + v.sum()).backward()
+
+    diffs = [float((a[m].float() - b[m].float()).abs().max()) for a, b in zip(apart(), joined(), strict=True)]
+    assert max(diffs) < 0.05, f"joined passes differ from the separate ones by {diffs}"
+    times: dict[str, list[float]] = {}
+    for r in range(reps + 1):
+        for name, fn in (("scores apart", apart), ("scores joined", joined))[:: 1 if r % 2 else -1]:
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+        for name, fn in (("update apart", update_apart), ("update joined", update_joined))[:: 1 if r % 2 else -1]:
+            t.engine.zero_grad()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+    shown = ", ".join(f"{k} {1000 * statistics.median(v[1:]):.1f} ms" for k, v in times.items())
+    print(f"OK the critic's joined passes: max |Δ| old, ref, V {', '.join(f'{d:.1e}' for d in diffs)}; {shown}")
+
+
 def check_launched(raw: dict[str, Any], run_dir: Path, ranks: int) -> None:
     """The job as a worker runs it on ``ranks`` devices: ``python -m worker.launch RANKS RUN_DIR``, its messages read
     as the worker reads them."""
@@ -170,8 +243,15 @@ def main() -> None:
                 "grpo fp32 (sampler log-probs)",
                 spec_for(model_dir, files, "grpo", precision="fp32", iterations_per_batch=2),
             ),
+            (
+                "grpo bf16 compiled decode",
+                spec_for(model_dir, files, "grpo", compile_decode="on", max_steps=4),
+            ),
+            ("dr_grpo", spec_for(model_dir, files, "dr_grpo")),
+            ("dapo", spec_for(model_dir, files, "dapo")),
             ("rloo", spec_for(model_dir, files, "rloo")),
-            ("ppo adapter critic", spec_for(model_dir, files, "ppo", group_size=1)),
+            ("reinforce", spec_for(model_dir, files, "reinforce")),
+            ("ppo adapter critic (passes joined on CUDA)", spec_for(model_dir, files, "ppo", group_size=1)),
             ("ppo policy_trunk", spec_for(model_dir, files, "ppo", group_size=1, critic="policy_trunk")),
         ]
         rm_dir: Path | None = None
@@ -196,6 +276,12 @@ def main() -> None:
             except Exception as err:
                 failures += 1
                 print(f"FAIL ppo + reward_model grader: {type(err).__name__}: {err}", flush=True)
+        if not only or "joined" in only:
+            try:
+                check_joined_passes(spec_for(model_dir, files, "ppo", group_size=1, max_steps=1), root / "joined")
+            except Exception as err:
+                failures += 1
+                print(f"FAIL the critic's joined passes: {type(err).__name__}: {err}", flush=True)
         if not only or "launched" in only:
             try:
                 ranks = int(os.environ.get("GPU_CHECK_RANKS", "1"))
