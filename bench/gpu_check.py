@@ -50,7 +50,7 @@ def data_files(work: Path, prompts: Path) -> dict[str, Path]:
 
 
 def spec_for(model: Path, files: dict[str, Path], method: str, grader: Any = None, **hp: Any) -> dict[str, Any]:
-    rl = method in {"grpo", "rloo", "ppo"}
+    rl = method in {"grpo", "dr_grpo", "dapo", "rloo", "reinforce", "ppo"}
     hyper = {"max_steps": 3, "batch_size": 8, "checkpoint_interval": 2, "precision": "auto", **hp}
     if rl:
         hyper |= {"max_completion_tokens": 24, "max_prompt_tokens": 40}
