@@ -25,5 +25,8 @@ EXPOSE 8000
 CMD ["proxima", "serve", "--host", "0.0.0.0", "--port", "8000", "--no-worker"]
 
 FROM api AS worker
+# g++: torch.compile's CPU code (the compiled decode step, compile_decode) is C++ that inductor builds at run time;
+# without a compiler the step runs uncompiled and the job says so.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install -c constraints.txt -e ".[train]"
 CMD ["proxima", "worker", "--concurrency", "1"]

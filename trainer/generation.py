@@ -137,6 +137,11 @@ class HFRolloutEngine:
         """Seconds spent compiling the decode step so far (0 unless ``decode`` is ``compiled``)."""
         return self._decoder.compile_s if self._decoder is not None else 0.0
 
+    @property
+    def compile_error(self) -> str | None:
+        """Why the decode step could not be compiled, if it could not (it then decodes uncompiled)."""
+        return self._decoder.compile_error if self._decoder is not None else None
+
     def push_weights(self, policy: torch.nn.Module, version: int) -> None:
         if version != self._version:
             if self.merged is not None:

@@ -215,7 +215,7 @@ class RLTrainer(EngineLoop):
                 decode=decode,
             )
         )
-        self.compile_s_reported = 0.0
+        self.compile_s_reported, self.compile_failure_reported = 0.0, False
         agent = spec.method.agent
         self.agent = (
             AgentRollouts(
@@ -462,7 +462,12 @@ class RLTrainer(EngineLoop):
         return Batch(samples, draws, loss_mask=mask)
 
     def _report_compile(self) -> None:
-        """An event when the engine compiled its decode step (once per process and shape: the step's time has it)."""
+        """An event when the engine compiled its decode step (once per process and shape: the step's time has it),
+        and a warning, once, when it could not (the job goes on decoding uncompiled)."""
+        error = getattr(self.rollout_engine, "compile_error", None)
+        if error is not None and not self.compile_failure_reported:
+            self.cb.on_event("warn", f"the decode step could not be compiled; decoding uncompiled: {error}")
+            self.compile_failure_reported = True
         total = float(getattr(self.rollout_engine, "compile_s", 0.0))
         if total > self.compile_s_reported:
             self.cb.on_event(

@@ -175,13 +175,15 @@ class StaticDecoder:
     the same shapes. With ``compiled`` the step is ``torch.compile``'d once for the decoder's life (a second shape
     makes torch compile a dynamic-shape graph that serves the rest); torch's FX graph cache keeps the compiled code on
     disk (``TORCHINDUCTOR_CACHE_DIR``), so a later process compiles faster. Uncompiled it is the same computation
-    eagerly (what the tests compare the dynamic cache with). ``compile_s`` sums the calls that compiled."""
+    eagerly (what the tests compare the dynamic cache with). ``compile_s`` sums the calls that compiled. A compile
+    that fails (``compile_error`` says why) leaves the decoder uncompiled: the generation goes on, eagerly."""
 
     def __init__(self, model: torch.nn.Module, *, compiled: bool) -> None:
         self.model, self.compiled = model, compiled
         self._step = torch.compile(self._forward) if compiled else self._forward
         self._shapes: set[tuple[int, int]] = set()
         self.compile_s = 0.0
+        self.compile_error: str | None = None  # why compiling failed, when it did: the step then runs uncompiled
 
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache_position: Tensor, cache: Any) -> Tensor:
         out = self.model(
@@ -207,7 +209,12 @@ class StaticDecoder:
         if not self.compiled or shape in self._shapes:
             return self._step(ids, mask, pos, cache_position, cache)
         t0 = time.perf_counter()
-        out = self._step(ids, mask, pos, cache_position, cache)
+        try:
+            out = self._step(ids, mask, pos, cache_position, cache)
+        except Exception as err:  # a machine that cannot compile (no C++ compiler for inductor's CPU code, ...)
+            self.compile_error = f"{type(err).__name__}: {err}"[:500]
+            self.compiled, self._step = False, self._forward
+            return self._forward(ids, mask, pos, cache_position, cache)  # rewrites the same cache positions
         self._shapes.add(shape)
         self.compile_s += time.perf_counter() - t0
         return out

@@ -442,3 +442,23 @@ def test_a_compiled_decode_step_trains_as_the_growing_cache_does(
         assert a.keys() == b.keys()
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
+def test_a_job_whose_decode_step_cannot_be_compiled_warns_once_and_trains(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainer.rollout as rollout
+
+    def cannot_compile(fn: Any) -> Any:
+        def compiled(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+        return compiled
+
+    monkeypatch.setattr(rollout.torch, "compile", cannot_compile)
+    rec = Recorder()
+    spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=2, compile_decode="on"))
+    res = RLTrainer(spec, output_dir=tmp_path, callback=Callbacks(JsonlFiles(tmp_path), rec)).run()
+    warned = [m for level, m in rec.events if level == "warn" and "could not be compiled" in m]
+    assert len(warned) == 1 and "C++ compiler" in warned[0], rec.events
+    assert res.adapter_dir is not None and len(read_metrics(tmp_path)) == 3

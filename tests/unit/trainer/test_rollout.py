@@ -588,3 +588,29 @@ def test_compile_decode_auto_compiles_only_a_fast_bf16_cpu_sampler_of_a_long_eno
     assert generation.decode_mode("off", device=cpu, bf16_sampler=True, decode_steps=long) == "dynamic"
     monkeypatch.setattr(generation, "fast_bf16_available", lambda device: False)
     assert generation.decode_mode("auto", device=cpu, bf16_sampler=True, decode_steps=long) == "dynamic"
+
+
+def test_a_decode_step_that_cannot_be_compiled_decodes_uncompiled(
+    model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine where torch.compile fails (no C++ compiler for inductor's CPU code): the generation goes on eagerly
+    on the static cache, samples what the growing cache samples, and the decoder says why."""
+    import trainer.rollout as rollout
+
+    def cannot_compile(fn: Any) -> Any:
+        def compiled(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+        return compiled
+
+    monkeypatch.setattr(rollout.torch, "compile", cannot_compile)
+    biased = EosBias(model, 3.0)
+    biased.config = model.config  # type: ignore[assignment]
+    decoder = StaticDecoder(biased, compiled=True)
+    want, want_lp = _sample_with(model, None, 3)
+    got, got_lp = _sample_with(model, decoder, 3)
+    for x, y in zip(got.tensors(), want.tensors(), strict=True):
+        assert torch.equal(x, y)
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    assert decoder.compile_error is not None and "C++ compiler" in decoder.compile_error
+    assert not decoder.compiled and decoder.compile_s == 0.0
