@@ -47,11 +47,9 @@ def main(ranks: int, run_dir: str) -> int:
     try:
         run(args)
     except ChildFailedError as err:
-        # A rank ended by a signal is the cause; the others failed in a collective because of it.
-        signalled = sorted((r, f) for r, f in err.failures.items() if f.exitcode < 0)
-        rank, failure = signalled[0] if signalled else err.get_first_failure()
-        if failure.exitcode < 0:
-            sig = signal.Signals(-failure.exitcode)
+        rank, exitcode = cause({r: f.exitcode for r, f in err.failures.items()})
+        if exitcode < 0:
+            sig = signal.Signals(-exitcode)
             pipe.send(
                 msg.Event(
                     level="warn",
@@ -65,6 +63,22 @@ def main(ranks: int, run_dir: str) -> int:
             os.kill(os.getpid(), sig)
         return 1
     return 0
+
+
+def cause(exitcodes: dict[int, int]) -> tuple[int, int]:
+    """The rank whose end failed the others, and its exit code, from the failed ranks' exit codes (negative: the
+    signal that ended it). A rank ended by a signal is the cause: the others failed in a collective because of it,
+    or were still running when the launcher noticed and were ended by its SIGTERM, which it counts as failures too.
+    So SIGKILL (the out-of-memory killer's, an operator's) comes first, then any other signal but SIGTERM (a crash:
+    SIGSEGV, SIGABRT), then SIGTERM, then an error exit; the lowest rank among equals."""
+
+    def order(item: tuple[int, int]) -> tuple[int, int]:
+        rank, code = item
+        if code >= 0:
+            return (3, rank)
+        return (0 if code == -signal.SIGKILL else 2 if code == -signal.SIGTERM else 1, rank)
+
+    return min(exitcodes.items(), key=order)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from tests.e2e.test_rl_loop import make_spec
 from tests.e2e.test_worker_faults import messages, start_worker
 from trainer import metrics as M
 from worker import messages as msg
+from worker.launch import MONITOR_INTERVAL_S
 from worker.trainer_process import Ended, TrainerProcess
 
 pytestmark = pytest.mark.slow
@@ -150,9 +151,14 @@ def test_a_killed_rank_ends_the_attempt_as_a_killed_trainer_and_the_job_resumes_
         while not any(isinstance(m, msg.Checkpoint) for m in messages) and time.monotonic() < deadline:
             if (m := trainer.get(timeout=0.5)) is not None:
                 messages.append(m)
-        pid = rank_pid(run_dir, 1)
-        assert pid is not None
+        pid, other = rank_pid(run_dir, 1), rank_pid(run_dir, 0)
+        assert pid is not None and other is not None
+        # Rank 0 held outside any collective while rank 1 is killed (as when it is busy sampling its own block): the
+        # launcher sees rank 1 dead first and ends rank 0 with its SIGTERM, which it counts as a failure too.
+        os.kill(other, signal.SIGSTOP)
         os.kill(pid, signal.SIGKILL)
+        time.sleep(3 * MONITOR_INTERVAL_S + 1)
+        os.kill(other, signal.SIGCONT)
         with pytest.raises(Ended):
             while time.monotonic() < deadline:
                 if (m := trainer.get(timeout=0.5)) is not None:
