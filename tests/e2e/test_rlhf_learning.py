@@ -125,14 +125,20 @@ def test_ppo_graded_only_by_the_reward_model_lifts_heldout_accuracy_with_the_tru
 def test_a_flawed_reward_is_caught_over_optimised_and_the_job_keeps_the_checkpoint_before_the_fall(
     tiny_arith_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
-    """A proxy with a flaw, as a learned reward has: right answers score 1, and so does any three-digit answer from
-    100 to 199 (the old built-in reward models' "prefer the larger sum"). PPO on it first learns to add, then to
-    answer 1xx: measured here (fp32), the proxy's validation 0.35 → 0.935 → 0.945 at steps 0, 15, 20 while the truth
-    went 0.35 → 0.86 → 0.735."""
-    right = {**TRUTH, "name": "right"}
-    big = {"type": "regex", "name": "big", "input": "{{sample.output_text}}", "pattern": "^1[0-9][0-9]$"}
-    graders = {"right": right, "big": big, "truth": TRUTH}
-    grader = {"type": "multi", "name": "flawed", "graders": graders, "calculate_output": "max(right, big)"}
+    """A proxy with a flaw, as a learned reward has (the old built-in reward models' "prefer the larger sum"): a right
+    answer scores 0.5 and any larger number 1. PPO on it first learns to add, then to overshoot. Measured here (fp32,
+    seeds 0, 1, 2): the truth rose 0.39 → 0.82, 0.71, 0.69 at step 5 and fell to 0.06, 0.14, 0.21 by step 30 while
+    the proxy's validation rose 0.47–0.52 → 0.88–0.96. (A proxy that only ties the truth, right or any answer from
+    100 to 199 scoring 1, did not do it reliably: on some machines PPO learned to add and stayed right.)"""
+    larger = """
+def grade(sample, item):
+    text, answer = sample["output_text"].strip(), int(item["answer"])
+    if not text.isdigit():
+        return 0.0
+    return 1.0 if int(text) > answer else 0.5 if int(text) == answer else 0.0
+"""
+    graders = {"larger": {"type": "python", "name": "larger", "source": larger}, "truth": TRUTH}
+    grader = {"type": "multi", "name": "flawed", "graders": graders, "calculate_output": "larger"}
     truth = M.reward_of("truth", validation=True)
     result = ppo(
         tiny_arith_dir,
