@@ -79,13 +79,16 @@ class AgentRollouts:
         max_tokens: int,
         template_kwargs: Mapping[str, Any] | None = None,
         remote: RemoteConfig | None = None,
+        ranks_on_host: int = 1,
     ) -> None:
         self.agent = agent
         self.pad_id = tokenizer.pad_token_id
         # An environment's episode holds a sandbox (one of the host's uid slots) from reset to its end, and a batch's
         # episodes advance turn by turn together: more at once than there are slots would wait for slots the others
-        # hold until the batch ends. The batch runs in chunks of at most that many episodes instead.
-        self.chunk_size = SandboxConfig().uid_slots if agent.environment is not None else None
+        # hold until the batch ends. The batch runs in chunks of at most that many episodes instead; the ranks of a
+        # data parallel job on this host share the slots, so each takes its share.
+        slots = SandboxConfig().uid_slots
+        self.chunk_size = max(1, slots // max(1, ranks_on_host)) if agent.environment is not None else None
         self.executor: ToolExecutor = (
             PythonEnvironmentExecutor(agent.environment)
             if agent.environment is not None
@@ -111,17 +114,16 @@ class AgentRollouts:
         params: SamplingParams,
         *,
         generator: torch.Generator | None,
+        row_seeds: Sequence[int] | None = None,
     ) -> EpisodeBatch:
         chunk = self.chunk_size or len(prompts)
         parts: list[tuple[Generation, list[Episode]]] = []
         for start in range(0, len(prompts), max(chunk, 1)):
             rows = slice(start, start + chunk)
             its = list(items[rows])
-            parts.append(
-                self.runner.run(
-                    list(prompts[rows]), its, [self.tools_of(it) for it in its], params, generator=generator
-                )
-            )
+            tools = [self.tools_of(it) for it in its]
+            seeds = list(row_seeds[rows]) if row_seeds is not None else None
+            parts.append(self.runner.run(list(prompts[rows]), its, tools, params, generator=generator, row_seeds=seeds))
         if len(parts) == 1:
             return EpisodeBatch(*parts[0])
         gens = [g for g, _ in parts]

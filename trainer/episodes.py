@@ -40,7 +40,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.agent_spec import ToolSpec
 from trainer.data import PromptItem
 from trainer.encoding import prompt_text
-from trainer.generation import Generation, RolloutEngine, SamplingParams
+from trainer.generation import Generation, HFRolloutEngine, RolloutEngine, SamplingParams
 from trainer.rollout import Rollout, left_pad
 from trainer.tool_calls import ToolCall, ToolCallFormatError, ToolCallParser, environment_segment
 
@@ -126,6 +126,12 @@ class ToolExecutor(Protocol):
         ...
 
 
+def turn_seed(row_seed: int, turn: int) -> int:
+    """The sampling seed of a row's turn ``turn`` (1, 2, ...): distinct for every row and turn of a batch whose rows'
+    seeds are consecutive (``base + i``, as a data parallel draw gives them), fewer than 2³² rows."""
+    return (row_seed + turn * 2**32) % 2**64
+
+
 @dataclass(frozen=True)
 class _Unknown:
     """The answer to a call of a tool the episode does not offer (the executor is not asked)."""
@@ -149,6 +155,7 @@ class _Row:
     segments: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
+    seed: int | None = None  # the row's own sampling seed (data parallel runs); its turn t samples from turn_seed
 
     def append(self, ids: Sequence[int], *, policy: bool, logprobs: Sequence[float] | None = None) -> None:
         segment = self.segments[-1] + 1 if self.segments else 0
@@ -202,17 +209,31 @@ class EpisodeRunner:
         params: SamplingParams,
         *,
         generator: torch.Generator | None,
+        row_seeds: Sequence[int] | None = None,
     ) -> tuple[Generation, list[Episode]]:
         """One episode per prompt (already encoded with its tools by the chat template), rows in the prompts' order.
         ``params.max_new_tokens`` is ignored: each turn gets ``min(max_turn_tokens, budget left)``; the rest of
         ``params`` applies to every turn. Generation.logprobs holds the engine's log-probs at policy positions (0
-        elsewhere) when it gave them for every turn, else None."""
+        elsewhere) when it gave them for every turn, else None. ``row_seeds`` (one per prompt, the built-in engine
+        only) instead of ``generator``: each row's turn t samples from its own seed :func:`turn_seed`, so a row's
+        episode does not depend on the rows beside it (data parallel runs split a batch across ranks)."""
         if not (len(prompts) == len(items) == len(tools)) or not prompts:
             raise ValueError(f"run() needs as many items and tool lists as prompts, at least one ({len(prompts)})")
+        if row_seeds is not None and len(row_seeds) != len(prompts):
+            raise ValueError(f"run() needs one row seed a prompt ({len(row_seeds)} for {len(prompts)})")
+        if row_seeds is not None and not isinstance(self.engine, HFRolloutEngine):
+            raise ValueError("row seeds need the built-in rollout engine")
         t0 = time.perf_counter()
+        seeds: Sequence[int | None] = row_seeds if row_seeds is not None else [None] * len(prompts)
         rows = [
-            _Row(item, {t.name: t for t in offered}, list(prompt), Episode(trace_id="trace_" + uuid.uuid4().hex))
-            for prompt, item, offered in zip(prompts, items, tools, strict=True)
+            _Row(
+                item,
+                {t.name: t for t in offered},
+                list(prompt),
+                Episode(trace_id="trace_" + uuid.uuid4().hex),
+                seed=seed,
+            )
+            for prompt, item, offered, seed in zip(prompts, items, tools, seeds, strict=True)
         ]
         with ThreadPoolExecutor(self.max_concurrent_calls, thread_name_prefix="episode-tools") as pool:
             started = self._start(pool, rows)
@@ -278,7 +299,13 @@ class EpisodeRunner:
         turn_params = dataclasses.replace(
             params, max_new_tokens=width, min_new_tokens=min(params.min_new_tokens, width)
         )
-        gen = self.engine.generate([r.prompt + r.ids for r in active], turn_params, generator=generator)
+        rows = [r.prompt + r.ids for r in active]
+        if active[0].seed is not None:  # every row has one (run() gives all or none)
+            assert isinstance(self.engine, HFRolloutEngine)
+            seeds = [turn_seed(r.seed, step) for r in active if r.seed is not None]
+            gen = self.engine.generate(rows, turn_params, generator=None, row_seeds=seeds)
+        else:
+            gen = self.engine.generate(rows, turn_params, generator=generator)
         out = gen.rollout
         ids, lengths, no_eos = out.completion_ids.cpu(), out.lengths.tolist(), out.truncated.tolist()
         logprobs = gen.logprobs.float().cpu() if gen.logprobs is not None else None

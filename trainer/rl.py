@@ -225,6 +225,7 @@ class RLTrainer(EngineLoop):
                 max_tokens=hp.max_completion_tokens,
                 template_kwargs=self.template_kwargs,
                 remote=remote_config(),
+                ranks_on_host=self.world.size,  # the launcher's ranks share this machine (and its sandbox uids)
             )
             if agent is not None
             else None
@@ -277,10 +278,6 @@ class RLTrainer(EngineLoop):
         """What data parallel training over several ranks supports, refused before any weight is loaded."""
         if self.world.size == 1:
             return
-        if self.spec.method.agent is not None:
-            raise SpecError(
-                "agent (multi-turn) jobs train on one device for now; ask for resources.gpus 1", param="resources.gpus"
-            )
         if rollout_engine is not None:
             raise SpecError("data parallel training samples with the built-in engine only", param="resources.gpus")
         if self.hp.batch_size < self.world.size:
@@ -366,13 +363,13 @@ class RLTrainer(EngineLoop):
         items = [self.train_items[i] for i in idx for _ in range(g)]
         self.rollout_engine.push_weights(self.model, self.engine.weights_version)
         episodes = None
+        if self.world.launched:  # this rank's block of whole groups, each row from its own seed
+            return self._draw_block(prompts, items)
         if self.agent is not None:  # multi-turn episodes: tool output in the rows, outside the policy mask
             batch = self.agent.run(prompts, items, self.sampling, generator=self.engine.generator)
             gen, episodes, texts = batch.generation, batch.episodes, batch.texts
             rollout = gen.rollout.to("cpu")
             scores = batch.grade(self.grader, items)
-        elif self.world.launched:  # this rank's block of whole groups, each row from its own seed
-            return self._draw_block(prompts, items)
         else:
             gen = self.rollout_engine.generate(prompts, self.sampling, generator=self.engine.generator)
             rollout = gen.rollout.to("cpu")
@@ -383,21 +380,28 @@ class RLTrainer(EngineLoop):
 
     def _draw_block(self, prompts: list[list[int]], items: list[PromptItem]) -> tuple[Samples, float]:
         """A launched run's draw: this rank samples and grades its block of whole groups, row i from the seed
-        ``base + i`` (``base`` drawn alike on every rank), and every rank gathers every block, in rank order: the
-        same batch as one rank alone would sample, on every rank (``trainer.distributed``)."""
+        ``base + i`` (``base`` drawn alike on every rank; an agent job's episodes too, each turn from the row's own
+        seed), and every rank gathers every block, in rank order: the same batch as one rank alone would sample, on
+        every rank (``trainer.distributed``)."""
         g = self.hp.samples_per_prompt
         gen_device = self.engine.generator.device
         base = int(torch.randint(0, 2**62, (1,), generator=self.engine.generator, device=gen_device))
         lo, hi = (g * x for x in self.world.block(len(prompts) // g))
+        seeds = [base + i for i in range(lo, hi)]
         assert isinstance(self.rollout_engine, HFRolloutEngine)
-        gen = self.rollout_engine.generate(
-            prompts[lo:hi], self.sampling, generator=None, row_seeds=[base + i for i in range(lo, hi)]
-        )
-        rollout = gen.rollout.to("cpu")
-        texts = decode_completions(self.tokenizer, rollout)
-        scores = grade_batch(self.grader, texts, items[lo:hi], finish_reasons(rollout))
+        episodes = None
+        if self.agent is not None:
+            batch = self.agent.run(prompts[lo:hi], items[lo:hi], self.sampling, generator=None, row_seeds=seeds)
+            gen, episodes, texts = batch.generation, batch.episodes, batch.texts
+            rollout = gen.rollout.to("cpu")
+            scores = batch.grade(self.grader, items[lo:hi])
+        else:
+            gen = self.rollout_engine.generate(prompts[lo:hi], self.sampling, generator=None, row_seeds=seeds)
+            rollout = gen.rollout.to("cpu")
+            texts = decode_completions(self.tokenizer, rollout)
+            scores = grade_batch(self.grader, texts, items[lo:hi], finish_reasons(rollout))
         logp = gen.logprobs.cpu() if gen.logprobs is not None else None
-        blocks = self.world.gather((self._shape(rollout, items[lo:hi], texts, scores, logp, None), scores))
+        blocks = self.world.gather((self._shape(rollout, items[lo:hi], texts, scores, logp, episodes), scores))
         for _, block_scores in blocks:
             self.grader_monitor.observe(block_scores)
         samples = Samples.concat([b for b, _ in blocks], self.tokenizer.pad_token_id)

@@ -236,10 +236,6 @@ def validated_spec(
             param="resources.gpus",
             code="invalid_spec",
         )
-    if spec.gpus > 1 and spec.method.agent is not None:
-        raise InvalidRequest(
-            "agent (multi-turn) jobs train on one device for now", param="resources.gpus", code="invalid_spec"
-        )
     if spec.model not in settings.base_models:
         raise InvalidRequest(
             f"model {spec.model!r} is not available; offered: {', '.join(settings.base_models)}",

@@ -23,18 +23,23 @@ from tests.e2e.conftest import Service, grpo_spec
 from tests.e2e.test_rl_loop import make_spec
 from tests.e2e.test_worker_faults import messages, start_worker
 from trainer import metrics as M
+from trainer import tiny_calc
+from trainer.remote_graders import RemoteConfig
 from worker import messages as msg
 from worker.launch import MONITOR_INTERVAL_S
+from worker.runner import REMOTE_GRADERS_ENV
 from worker.trainer_process import Ended, TrainerProcess
 
 pytestmark = pytest.mark.slow
 
 
-def run_ranks(run_dir: Path, spec: dict[str, Any], ranks: int, *, timeout: float = 600) -> list[Any]:
+def run_ranks(
+    run_dir: Path, spec: dict[str, Any], ranks: int, *, timeout: float = 600, env: dict[str, str] | None = None
+) -> list[Any]:
     """Run the spec's trainer as ``ranks`` ranks the way the worker does; its messages, in order."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(spec))
-    trainer = TrainerProcess(run_dir, stop_grace_s=30, ranks=ranks)
+    trainer = TrainerProcess(run_dir, stop_grace_s=30, ranks=ranks, env=env)
     messages: list[Any] = []
     deadline = time.monotonic() + timeout
     try:
@@ -113,6 +118,46 @@ def test_two_ranks_train_what_one_does_on_the_same_global_batch(
     assert [m.step for m in runs[2] if isinstance(m, msg.Checkpoint)] == [3]
     assert sum(isinstance(m, msg.Started) for m in runs[2]) == 1
     assert sum(isinstance(m, msg.Done) for m in runs[2]) == 1
+
+
+def test_two_ranks_run_an_agent_jobs_episodes_as_one_does(
+    tiny_calc_dir: Path, calculator: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """A GRPO job whose policy calls the calculator tool over HTTP (multi-turn episodes): each rank runs the episodes
+    of its block of groups, every turn of a row sampled from the row's own seed, and the two ranks train what one
+    does on the same global batch."""
+    data = tmp_path_factory.mktemp("calc-data")
+    tiny_calc.write_calculator_datasets(data, n_train=32)
+    exact = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+             "reference": "{{item.answer}}", "operation": "eq"}  # fmt: skip
+    hp = {"max_steps": 2, "batch_size": 3, "group_size": 4, "max_completion_tokens": 40, "beta": 0.05,
+          "checkpoint_interval": 2, "eval_interval": 0, "precision": "fp32"}  # fmt: skip
+    body = {"grader": exact, "tools": [{"name": "calculator", "server_url": calculator}], "max_episode_steps": 3}
+    spec = {
+        "model": str(tiny_calc_dir),
+        "training_file": str(data / "train.jsonl"),
+        "validation_file": str(data / "validation.jsonl"),
+        "seed": 3,
+        "method": {"type": "grpo", "grpo": body | {"hyperparameters": hp}},
+    }
+    loopback = RemoteConfig(url_schemes=("http",), allow_networks=("127.0.0.0/8",), timeout_s=5.0, max_retries=1)
+    env = {REMOTE_GRADERS_ENV: loopback.model_dump_json()}
+    runs = {n: run_ranks(tmp_path / f"ranks-{n}", spec | {"resources": {"gpus": n}}, n, env=env) for n in (1, 2)}
+    metrics = {n: {m.step: m.metrics for m in ms if isinstance(m, msg.Metrics)} for n, ms in runs.items()}
+    assert sorted(metrics[1]) == sorted(metrics[2]) == [1, 2]
+    for step in (1, 2):
+        one, two = metrics[1][step], metrics[2][step]
+        # the same episodes: their rewards, tool calls and turns
+        for name in (M.REWARD_MEAN, M.EPISODE_TOOL_CALL_RATE, M.EPISODE_TURNS_MEAN):
+            assert two[name] == one[name], (step, name)
+        rel = 1e-5 if step == 1 else 2e-3
+        for name in (M.LOSS_TOTAL, M.GRAD_NORM, M.KL_MEAN):
+            assert two[name] == pytest.approx(one[name], rel=rel, abs=1e-7), (step, name)
+    assert metrics[1][1][M.EPISODE_TOOL_CALL_RATE] > 0  # the policy called the tool: episodes of several turns
+    assert metrics[1][1][M.GRAD_NORM] > 0
+    one, two = adapter(tmp_path / "ranks-1"), adapter(tmp_path / "ranks-2")
+    for name in one:
+        assert float((two[name] - one[name]).norm()) <= 1e-2 * float(one[name].norm()) + 1e-7, name
 
 
 def two_rank_grpo(model: Path, data: Path, *, steps: int) -> dict[str, Any]:

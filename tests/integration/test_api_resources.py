@@ -96,6 +96,20 @@ def test_every_method_may_ask_for_several_devices(
     assert r.json()["resources"] == {"gpus": 4}
 
 
+def test_an_agent_job_may_ask_for_several_devices_and_waits_in_the_queue_of_its_size(
+    large_api: httpx.Client, training_file: str, redis_url: str
+) -> None:
+    """Multi-turn episodes run data parallel too (each rank a block of whole groups: tests/e2e/test_data_parallel)."""
+    body = job_body(training_file, resources={"gpus": 2})
+    tool = {"name": "calculator", "server_url": "https://1.1.1.1/tools/calc", "headers": {}}
+    body["method"]["grpo"].update(tools=[tool], max_episode_steps=3)
+    r = large_api.post("/v1/fine_tuning/jobs", json=body)
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["resources"] == {"gpus": 2} and job["method"]["grpo"]["tools"] == [tool]
+    assert job["id"] in queued_ids(redis_url, "proxima.gpus.2")
+
+
 def test_a_batch_smaller_than_the_devices_is_a_400_naming_resources(
     large_api: httpx.Client, training_file: str
 ) -> None:

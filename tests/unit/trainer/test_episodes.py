@@ -14,10 +14,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.unit.trainer.test_tool_calls import chatml_tokenizer, ids
-from trainer.agent_spec import ToolSpec
+from trainer.agent import AgentRollouts
+from trainer.agent_spec import AgentSpec, EnvironmentSpec, ToolSpec
 from trainer.data import PromptItem
 from trainer.encoding import prompt_text
-from trainer.episodes import UNKNOWN_TOOL, Episode, EpisodeConfig, EpisodeRunner
+from trainer.episodes import UNKNOWN_TOOL, Episode, EpisodeConfig, EpisodeRunner, turn_seed
 from trainer.generation import Generation, HFRolloutEngine, SamplingParams
 from trainer.rollout import Rollout, completion_logprobs, left_pad
 from trainer.tool_calls import HermesParser, ParsedTurn, ToolCall, environment_segment, new_call_id
@@ -394,11 +395,10 @@ class CallEveryTurn:
         return ParsedTurn(text, [ToolCall(new_call_id(), "echo", "{}")])
 
 
-def test_hf_engine_episodes_keep_sampled_tokens_and_logprobs() -> None:
-    tok = TOK
+def eos_biased_policy() -> EosBias:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tok),
+        vocab_size=len(TOK),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -409,7 +409,12 @@ def test_hf_engine_episodes_keep_sampled_tokens_and_logprobs() -> None:
         eos_token_id=EOS,
         tie_word_embeddings=False,
     )
-    policy = EosBias(LlamaForCausalLM(config).eval(), EOS)
+    return EosBias(LlamaForCausalLM(config).eval(), EOS)
+
+
+def test_hf_engine_episodes_keep_sampled_tokens_and_logprobs() -> None:
+    tok = TOK
+    policy = eos_biased_policy()
     engine = HFRolloutEngine(policy, eos_id=EOS, pad_id=PAD, device=torch.device("cpu"), precision="fp32")
     echo = ToolSpec(name="echo", server_url="https://tools.example/echo")
     executor = FakeExecutor(lambda c: Result("ok"))
@@ -440,3 +445,53 @@ def test_hf_engine_episodes_keep_sampled_tokens_and_logprobs() -> None:
     on_policy = r.policy_mask.bool()
     torch.testing.assert_close(gen.logprobs[on_policy], logp[on_policy], atol=1e-4, rtol=0)
     assert gen.logprobs[~on_policy].eq(0).all()
+
+
+def test_row_seeded_episodes_do_not_depend_on_the_rows_beside_them() -> None:
+    """With row seeds each row's turns sample from its own seeds (turn_seed): rows 2 and 3 run alone are the episodes
+    they are in a batch of four (a data parallel rank runs a block of the batch)."""
+    engine = HFRolloutEngine(eos_biased_policy(), eos_id=EOS, pad_id=PAD, device=torch.device("cpu"), precision="fp32")
+    echo = ToolSpec(name="echo", server_url="https://tools.example/echo")
+    runner = EpisodeRunner(
+        engine, TOK, CallEveryTurn(), FakeExecutor(lambda c: Result("ok")), EpisodeConfig(3, 100, 10)
+    )
+    prompts = [ids(TOK, prompt_text(TOK, [{"role": "user", "content": "q" * (i + 1)}])) for i in range(4)]
+    seeds = [1000 + i for i in range(4)]
+    whole, _ = runner.run(prompts, [item(i) for i in range(4)], [[echo]] * 4, PARAMS, generator=None, row_seeds=seeds)
+    part, episodes = runner.run(
+        prompts[2:], [item(i) for i in (2, 3)], [[echo]] * 2, PARAMS, generator=None, row_seeds=seeds[2:]
+    )
+    assert [row(part, i) for i in (0, 1)] == [row(whole, i) for i in (2, 3)]
+    assert all(ep.turns >= 2 for ep in episodes)  # several turns, each from its own seed
+    assert len({turn_seed(s, t) for s in range(1000, 1064) for t in range(1, 20)}) == 64 * 19
+    other, _ = runner.run(
+        prompts[2:], [item(i) for i in (2, 3)], [[echo]] * 2, PARAMS, generator=None, row_seeds=[7, 8]
+    )
+    assert [row(other, i) for i in (0, 1)] != [row(part, i) for i in (0, 1)]
+
+
+def test_row_seeds_need_one_a_prompt_and_the_built_in_engine() -> None:
+    with pytest.raises(ValueError, match="one row seed a prompt"):
+        EpisodeRunner(eos_free_engine(), TOK, HermesParser(), FakeExecutor(), EpisodeConfig(3, 100, 10)).run(
+            [prompt(0)], [item(0)], [[ADD]], PARAMS, generator=None, row_seeds=[1, 2]
+        )
+    with pytest.raises(ValueError, match="built-in rollout engine"):
+        EpisodeRunner(eos_free_engine(), TOK, HermesParser(), FakeExecutor(), EpisodeConfig(3, 100, 10)).run(
+            [prompt(0)], [item(0)], [[ADD]], PARAMS, generator=None, row_seeds=[1]
+        )
+
+
+def eos_free_engine() -> ScriptedEngine:
+    return ScriptedEngine({tuple(prompt(0)): [turn("0")]})
+
+
+def test_environment_episodes_run_in_chunks_of_the_ranks_share_of_the_sandbox_slots() -> None:
+    """The ranks of a data parallel job on one host share its sandbox uid slots (16 by default): chunks of all 16
+    on each of two ranks would each wait for slots the other holds until its batch ends."""
+    env = AgentSpec(environment=EnvironmentSpec(type="python", source="def reset(item):\n    return None\n"))
+    tools = AgentSpec(tools=[ToolSpec(name="echo", server_url="https://tools.example/echo")])
+    engine = eos_free_engine()
+    assert AgentRollouts(env, engine, TOK, max_tokens=10).chunk_size == 16
+    assert AgentRollouts(env, engine, TOK, max_tokens=10, ranks_on_host=2).chunk_size == 8
+    assert AgentRollouts(env, engine, TOK, max_tokens=10, ranks_on_host=64).chunk_size == 1
+    assert AgentRollouts(tools, engine, TOK, max_tokens=10, ranks_on_host=2).chunk_size is None  # no sandbox
