@@ -66,6 +66,7 @@ from trainer.evaluate import (
     remote_config,
 )
 from trainer.generation import (
+    Generation,
     HFRolloutEngine,
     RolloutEngine,
     SamplingParams,
@@ -362,19 +363,9 @@ class RLTrainer(EngineLoop):
         prompts = [self.train_ids[i] for i in idx for _ in range(g)]  # rows of a group adjacent
         items = [self.train_items[i] for i in idx for _ in range(g)]
         self.rollout_engine.push_weights(self.model, self.engine.weights_version)
-        episodes = None
         if self.world.launched:  # this rank's block of whole groups, each row from its own seed
             return self._draw_block(prompts, items)
-        if self.agent is not None:  # multi-turn episodes: tool output in the rows, outside the policy mask
-            batch = self.agent.run(prompts, items, self.sampling, generator=self.engine.generator)
-            gen, episodes, texts = batch.generation, batch.episodes, batch.texts
-            rollout = gen.rollout.to("cpu")
-            scores = batch.grade(self.grader, items)
-        else:
-            gen = self.rollout_engine.generate(prompts, self.sampling, generator=self.engine.generator)
-            rollout = gen.rollout.to("cpu")
-            texts = decode_completions(self.tokenizer, rollout)
-            scores = grade_batch(self.grader, texts, items, finish_reasons(rollout))
+        gen, rollout, texts, scores, episodes = self._sample(prompts, items, generator=self.engine.generator)
         self.grader_monitor.observe(scores)
         return self._shape(rollout, items, texts, scores, gen.logprobs, episodes), gen.seconds
 
@@ -388,18 +379,7 @@ class RLTrainer(EngineLoop):
         base = int(torch.randint(0, 2**62, (1,), generator=self.engine.generator, device=gen_device))
         lo, hi = (g * x for x in self.world.block(len(prompts) // g))
         seeds = [base + i for i in range(lo, hi)]
-        assert isinstance(self.rollout_engine, HFRolloutEngine)
-        episodes = None
-        if self.agent is not None:
-            batch = self.agent.run(prompts[lo:hi], items[lo:hi], self.sampling, generator=None, row_seeds=seeds)
-            gen, episodes, texts = batch.generation, batch.episodes, batch.texts
-            rollout = gen.rollout.to("cpu")
-            scores = batch.grade(self.grader, items[lo:hi])
-        else:
-            gen = self.rollout_engine.generate(prompts[lo:hi], self.sampling, generator=None, row_seeds=seeds)
-            rollout = gen.rollout.to("cpu")
-            texts = decode_completions(self.tokenizer, rollout)
-            scores = grade_batch(self.grader, texts, items[lo:hi], finish_reasons(rollout))
+        gen, rollout, texts, scores, episodes = self._sample(prompts[lo:hi], items[lo:hi], row_seeds=seeds)
         logp = gen.logprobs.cpu() if gen.logprobs is not None else None
         blocks = self.world.gather((self._shape(rollout, items[lo:hi], texts, scores, logp, episodes), scores))
         for _, block_scores in blocks:
@@ -408,6 +388,30 @@ class RLTrainer(EngineLoop):
         if samples.sampling_logp is not None:
             samples.sampling_logp = samples.sampling_logp.to(self.device)
         return samples, gen.seconds
+
+    def _sample(
+        self,
+        prompts: list[list[int]],
+        items: list[PromptItem],
+        *,
+        generator: torch.Generator | None = None,
+        row_seeds: list[int] | None = None,
+    ) -> tuple[Generation, Rollout, list[str], Scores, list[Episode] | None]:
+        """One completion per prompt (an agent job: one multi-turn episode, tool output in the rows outside the
+        policy mask), graded: the generation, its rows on the CPU, their texts, scores and episodes. From
+        ``generator``, or with ``row_seeds`` each row from its own seed (the built-in engine)."""
+        if self.agent is not None:
+            batch = self.agent.run(prompts, items, self.sampling, generator=generator, row_seeds=row_seeds)
+            rollout = batch.generation.rollout.to("cpu")
+            return batch.generation, rollout, batch.texts, batch.grade(self.grader, items), batch.episodes
+        if row_seeds is None:
+            gen = self.rollout_engine.generate(prompts, self.sampling, generator=generator)
+        else:
+            assert isinstance(self.rollout_engine, HFRolloutEngine)
+            gen = self.rollout_engine.generate(prompts, self.sampling, generator=None, row_seeds=row_seeds)
+        rollout = gen.rollout.to("cpu")
+        texts = decode_completions(self.tokenizer, rollout)
+        return gen, rollout, texts, grade_batch(self.grader, texts, items, finish_reasons(rollout)), None
 
     def _shape(
         self,

@@ -20,10 +20,11 @@ from safetensors.torch import load_file
 
 from api.tasks import RUN_JOB, queue_for
 from tests.e2e.conftest import Service, grpo_spec
+from tests.e2e.test_agent_loop import agent_spec
 from tests.e2e.test_rl_loop import make_spec
 from tests.e2e.test_worker_faults import messages, start_worker
+from trainer import calculator_server, tiny_calc
 from trainer import metrics as M
-from trainer import tiny_calc
 from trainer.remote_graders import RemoteConfig
 from worker import messages as msg
 from worker.launch import MONITOR_INTERVAL_S
@@ -128,18 +129,9 @@ def test_two_ranks_run_an_agent_jobs_episodes_as_one_does(
     does on the same global batch."""
     data = tmp_path_factory.mktemp("calc-data")
     tiny_calc.write_calculator_datasets(data, n_train=32)
-    exact = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
-             "reference": "{{item.answer}}", "operation": "eq"}  # fmt: skip
-    hp = {"max_steps": 2, "batch_size": 3, "group_size": 4, "max_completion_tokens": 40, "beta": 0.05,
-          "checkpoint_interval": 2, "eval_interval": 0, "precision": "fp32"}  # fmt: skip
-    body = {"grader": exact, "tools": [{"name": "calculator", "server_url": calculator}], "max_episode_steps": 3}
-    spec = {
-        "model": str(tiny_calc_dir),
-        "training_file": str(data / "train.jsonl"),
-        "validation_file": str(data / "validation.jsonl"),
-        "seed": 3,
-        "method": {"type": "grpo", "grpo": body | {"hyperparameters": hp}},
-    }
+    tools = [calculator_server.calculator_tool(calculator)]
+    hp = {"max_steps": 2, "batch_size": 3, "group_size": 4, "beta": 0.05, "checkpoint_interval": 2}
+    spec = agent_spec(tiny_calc_dir, data, tools, **hp)
     loopback = RemoteConfig(url_schemes=("http",), allow_networks=("127.0.0.0/8",), timeout_s=5.0, max_retries=1)
     env = {REMOTE_GRADERS_ENV: loopback.model_dump_json()}
     runs = {n: run_ranks(tmp_path / f"ranks-{n}", spec | {"resources": {"gpus": n}}, n, env=env) for n in (1, 2)}

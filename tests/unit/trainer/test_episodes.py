@@ -472,16 +472,16 @@ def test_row_seeded_episodes_do_not_depend_on_the_rows_beside_them() -> None:
 
 def test_row_seeds_need_one_a_prompt_and_the_built_in_engine() -> None:
     with pytest.raises(ValueError, match="one row seed a prompt"):
-        EpisodeRunner(eos_free_engine(), TOK, HermesParser(), FakeExecutor(), EpisodeConfig(3, 100, 10)).run(
+        EpisodeRunner(scripted_engine(), TOK, HermesParser(), FakeExecutor(), EpisodeConfig(3, 100, 10)).run(
             [prompt(0)], [item(0)], [[ADD]], PARAMS, generator=None, row_seeds=[1, 2]
         )
     with pytest.raises(ValueError, match="built-in rollout engine"):
-        EpisodeRunner(eos_free_engine(), TOK, HermesParser(), FakeExecutor(), EpisodeConfig(3, 100, 10)).run(
+        EpisodeRunner(scripted_engine(), TOK, HermesParser(), FakeExecutor(), EpisodeConfig(3, 100, 10)).run(
             [prompt(0)], [item(0)], [[ADD]], PARAMS, generator=None, row_seeds=[1]
         )
 
 
-def eos_free_engine() -> ScriptedEngine:
+def scripted_engine() -> ScriptedEngine:
     return ScriptedEngine({tuple(prompt(0)): [turn("0")]})
 
 
@@ -490,7 +490,7 @@ def test_environment_episodes_run_in_chunks_of_the_ranks_share_of_the_sandbox_sl
     on each of two ranks would each wait for slots the other holds until its batch ends."""
     env = AgentSpec(environment=EnvironmentSpec(type="python", source="def reset(item):\n    return None\n"))
     tools = AgentSpec(tools=[ToolSpec(name="echo", server_url="https://tools.example/echo")])
-    engine = eos_free_engine()
+    engine = scripted_engine()
     assert AgentRollouts(env, engine, TOK, max_tokens=10).chunk_size == 16
     assert AgentRollouts(env, engine, TOK, max_tokens=10, ranks_on_host=2).chunk_size == 8
     assert AgentRollouts(env, engine, TOK, max_tokens=10, ranks_on_host=64).chunk_size == 1
