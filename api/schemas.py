@@ -136,8 +136,9 @@ class JobCreate(_Request):
     hyperparameters: dict[str, Any] | None = None
     resources: dict[str, Any] | None = Field(
         None,
-        description='(extension) what the job runs on: `{"gpus": N}`, N devices training it data parallel (the online '
-        "RL methods; the deployment's `PROXIMA_MAX_JOB_GPUS` at most). Default one device",
+        description='(extension) what the job runs on: `{"gpus": N}`, N devices training it data parallel (the '
+        "deployment's `PROXIMA_MAX_JOB_GPUS` at most); `\"shard_base\": true` shards the frozen base's weights "
+        "across them (FSDP2; grpo, dr_grpo, dapo, rloo and reinforce, single-turn). Default one device",
     )
     integrations: list[Any] | None = Field(
         None,
@@ -199,7 +200,8 @@ class FineTuningJob(BaseModel):
     total_steps: int | None
     resources: dict[str, Any] = Field(
         default_factory=lambda: {"gpus": 1},
-        description='(extension) what the job runs on: `{"gpus": N}`, N devices training it data parallel',
+        description='(extension) what the job runs on: `{"gpus": N}`, N devices training it data parallel, and '
+        '`"shard_base": true` where the base is sharded across them',
     )
 
     @classmethod

@@ -438,12 +438,20 @@ class MethodSpec(BaseModel):
 MAX_GPUS = 64
 
 
+# What a sharded base supports (``resources.shard_base``): the critic-free online RL methods, single-turn. Every rank
+# must run the same forward passes of the sharded model in the same order (each gathers its layers' weights from all
+# ranks); an agent's episodes run a different number of turns on each rank.
+SHARDED_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce")
+
+
 class Resources(BaseModel):
-    """What a job runs on: ``gpus`` devices (one rank each, data parallel: ``trainer.distributed``)."""
+    """What a job runs on: ``gpus`` devices (one rank each, data parallel: ``trainer.distributed``); with
+    ``shard_base`` the frozen base's weights are sharded across them (FSDP2) instead of copied to each."""
 
     model_config = ConfigDict(extra="forbid")
 
     gpus: int = Field(1, ge=1, le=MAX_GPUS)
+    shard_base: bool = False
 
 
 class JobSpec(BaseModel):
@@ -472,8 +480,15 @@ class JobSpec(BaseModel):
         """How many devices (ranks) the job asked for."""
         return self.resources.gpus if self.resources is not None else 1
 
+    @property
+    def shard_base(self) -> bool:
+        """Whether the base's weights are sharded across the job's devices (FSDP2) rather than copied to each."""
+        return self.resources is not None and self.resources.shard_base
+
     def to_json(self) -> dict[str, Any]:
         out = self.model_dump(mode="json", exclude={"method"}, exclude_none=True)
+        if "resources" in out and not out["resources"]["shard_base"]:
+            del out["resources"]["shard_base"]  # said only when asked for: {"gpus": N} as before
         out["method"] = self.method.to_json()
         return out
 
@@ -628,9 +643,28 @@ def parse_spec(raw: Any) -> JobSpec:
     if method is None:
         raise SpecError("field required", param="method")
     try:
-        return JobSpec.model_validate({**raw, "method": method})
+        spec = JobSpec.model_validate({**raw, "method": method})
     except ValidationError as err:
         raise _first_error(err, "") from None
+    if spec.shard_base:
+        _check_sharded(spec)
+    return spec
+
+
+def _check_sharded(spec: JobSpec) -> None:
+    """What a job with a sharded base (``resources.shard_base``) can run, refused naming the field."""
+    m = spec.method
+    if spec.gpus < 2:
+        raise SpecError(
+            "shard_base needs gpus of 2 or more: one device holds the whole base", param="resources.shard_base"
+        )
+    if m.type not in SHARDED_METHODS:
+        raise SpecError(f"shard_base supports {', '.join(SHARDED_METHODS)}; not {m.type}", param="resources.shard_base")
+    if m.agent is not None:
+        raise SpecError(
+            "shard_base does not run agent (multi-turn) jobs: the ranks' episodes take different numbers of turns",
+            param="resources.shard_base",
+        )
 
 
 def load_spec(path: Path) -> JobSpec:

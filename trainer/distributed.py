@@ -19,6 +19,16 @@ How a step of the RL loop is split (``trainer.rl``):
   holds no per-rank state, so it resumes on any number of ranks.
 
 On CPUs the backend is gloo (how it is tested), on CUDA devices NCCL, one device per rank (``cuda:LOCAL_RANK``).
+
+A base too big for one device is sharded (``resources.shard_base``; :func:`shard_frozen_base`): FSDP2's
+``fully_shard`` on each decoder layer and on the whole model gives every rank 1/N of the frozen base's weights, and a
+layer's full weights exist only while it runs (all-gathered before, freed after, again in the backward). The LoRA
+weights are left out of the sharding (``ignored_params``): they are small, whole on every rank, and trained as above
+(one all-reduce of their gradients), so the optimiser, the checkpoints and the adapter are the unsharded run's. The
+price is lockstep: a layer's gather needs every rank, so every rank runs the same forward (and backward) passes of
+the model in the same order. Decoding goes on while any rank has a running row (:meth:`World.any`), a rank with no
+rows runs a padding row, and the scoring and training passes pad each rank's share to the largest share
+(``trainer.rl``); an agent's episodes, whose turns differ by rank, are refused (``trainer.config``).
 """
 
 from __future__ import annotations
@@ -30,6 +40,9 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 T = TypeVar("T")
 
@@ -82,6 +95,14 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (lockstep: whether any rank still decodes)."""
+        if not self.launched or self.size == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the parameters' gradients across ranks, in place (a missing gradient counts as zeros). One flat
         all-reduce: LoRA's gradients are small, so one bucket is DDP's own choice for them."""
@@ -111,6 +132,47 @@ class World:
         if self.launched and torch.cuda.is_available():
             return torch.device("cuda", self.local_rank)
         return None
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What :func:`shard_frozen_base` did: the frozen base's elements held on this rank, of how many in all, and the
+    modules sharded on their own (decoder layers) besides the whole model."""
+
+    held: int
+    total: int
+    layers: int
+
+
+def shard_frozen_base(model: torch.nn.Module, world: World, device: torch.device) -> Sharding:
+    """Shard ``model``'s frozen weights across the world's ranks with FSDP2 (``fully_shard`` on each decoder layer,
+    the modules the model's ``_no_split_modules`` names, then on the whole model); its trainable weights (LoRA) stay
+    whole on every rank. A model loaded on the CPU moves to ``device`` (each rank keeps its shard there)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:  # fully_shard moves what it shards (and the buffers); the rest is ours to move
+        p.data = p.data.to(device)
+    total = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    mesh = init_device_mesh(device.type, (world.size,))
+    keep = set(trainable)
+    names = set(_no_split_modules(model))
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, ignored_params={p for p in layer.parameters() if p in keep})
+    # the root's own weights (embeddings, final norm, LM head) freed after each forward too (FSDP2 keeps a root's)
+    fully_shard(model, mesh=mesh, ignored_params=keep, reshard_after_forward=True)
+    held = sum(
+        p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters() if not p.requires_grad
+    )
+    return Sharding(held=held, total=total, layers=len(layers))
+
+
+def _no_split_modules(model: torch.nn.Module) -> list[str]:
+    """The class names of a Hugging Face model's blocks (its decoder layers), under any wrappers (PEFT's)."""
+    for m in model.modules():
+        names = getattr(m, "_no_split_modules", None)
+        if names:
+            return list(names)
+    return []
 
 
 def from_environment() -> World:

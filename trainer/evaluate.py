@@ -15,6 +15,7 @@ from trainer import graders, grading_pool, remote_graders, reward_model
 from trainer import metrics as M
 from trainer.callbacks import Callback
 from trainer.data import PromptItem
+from trainer.distributed import World
 from trainer.generation import HFRolloutEngine, RolloutEngine, SamplingParams
 from trainer.models import Precision
 from trainer.rollout import Rollout
@@ -274,6 +275,41 @@ def evaluate_engine(
         mean_reward=float(scores.rewards.mean()),
         n=len(texts),
         sub_means={k: float(v.mean()) for k, v in scores.sub.items()},
+        texts=texts,
+    )
+
+
+def evaluate_blocks(
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[list[int]],
+    items: Sequence[PromptItem],
+    grader: graders.Grader,
+    params: SamplingParams,
+    world: World,
+    *,
+    batch_size: int = 64,
+) -> EvalResult:
+    """:func:`evaluate_engine` by every rank of a sharded model at once (``trainer.distributed``), on every rank: each
+    generates and grades its block of the prompts in the same number of generation calls (the largest block's, at
+    most ``batch_size`` rows each; the engine decodes in lockstep), and the scores are gathered. The texts are this
+    rank's."""
+    lo, hi = world.block(len(prompts))
+    largest = -(-len(prompts) // world.size)
+    calls = max(1, -(-largest // batch_size))
+    texts: list[str] = []
+    reasons: list[graders.FinishReason] = []
+    for chunk in torch.arange(lo, hi).tensor_split(calls):  # some may be empty: the engine runs a padding row
+        gen = engine.generate([prompts[i] for i in chunk.tolist()], params, generator=None)
+        texts += decode_completions(tokenizer, gen.rollout)
+        reasons += finish_reasons(gen.rollout)
+    mine = grade_batch(grader, texts, items[lo:hi], reasons) if texts else None
+    blocks = [b for b in world.gather(None if mine is None else (mine.rewards, mine.sub)) if b is not None]
+    rewards = torch.cat([r for r, _ in blocks])
+    return EvalResult(
+        mean_reward=float(rewards.mean()),
+        n=len(rewards),
+        sub_means={k: float(torch.cat([sub[k] for _, sub in blocks]).mean()) for k in blocks[0][1]},
         texts=texts,
     )
 

@@ -115,8 +115,10 @@ class HFRolloutEngine:
         base_copy: PreTrainedModel | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         decode: DecodeMode = "dynamic",
+        lockstep: Callable[[bool], bool] | None = None,
     ) -> None:
         self.policy, self.eos_id, self.pad_id = policy, eos_id, pad_id
+        self.lockstep = lockstep  # a sharded policy's ranks decode in lockstep (trainer.rollout.generate)
         self.decode = decode
         self._decoder: StaticDecoder | None = None
         self.tokenizer = tokenizer  # decodes completions for stop strings
@@ -163,7 +165,12 @@ class HFRolloutEngine:
         row_seeds: Sequence[int] | None = None,
     ) -> Generation:
         """Sample one completion per prompt; ``row_seeds`` (one per prompt) instead of ``generator``: each row from
-        its own seed's draws (``trainer.rollout.generate``)."""
+        its own seed's draws (``trainer.rollout.generate``). In lockstep a rank with no prompts decodes a padding row
+        (the other ranks' forwards need its part of the weights) and returns no rows."""
+        if not prompts and self.lockstep is not None:
+            pad = self.generate([[self.pad_id]], params, generator=None, row_seeds=[0])
+            none = torch.zeros(0, dtype=torch.long)
+            return Generation(pad.rollout.select(none), None if pad.logprobs is None else pad.logprobs[:0], pad.seconds)
         ids, mask = left_pad(prompts, self.pad_id)
         t0 = time.perf_counter()
         model, precision = self.sampling_model()
@@ -189,6 +196,7 @@ class HFRolloutEngine:
             # greedy decoding (validation) needs none unless asked for
             with_logprobs=(self.exact_logprobs and params.temperature > 0) or params.logprobs,
             decoder=self._decoder if self.decode != "dynamic" else None,
+            lockstep=self.lockstep,
         )
         rollout, logp = out if isinstance(out, tuple) else (out, None)
         return Generation(rollout, logp, time.perf_counter() - t0)

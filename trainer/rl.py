@@ -52,7 +52,7 @@ from trainer.core_algos import (
 )
 from trainer.critic import build_critic
 from trainer.data import DatasetError, PromptItem, load_prompts, offered_functions
-from trainer.distributed import World
+from trainer.distributed import World, shard_frozen_base
 from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts, thinking_kwargs
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
 from trainer.episodes import Episode
@@ -60,6 +60,7 @@ from trainer.evaluate import (
     GraderMonitor,
     Scores,
     decode_completions,
+    evaluate_blocks,
     evaluate_engine,
     finish_reasons,
     grade_batch,
@@ -126,6 +127,8 @@ class RLTrainer(EngineLoop):
         self.last_step = 0  # the step validation_metrics reports for (0 before the first)
         self._load_data()  # everything that can be wrong with the input is checked before any weight is loaded
         self._check_world(rollout_engine)
+        # the frozen base sharded across the ranks (FSDP2): every rank runs the model's passes in lockstep
+        self.sharded = spec.shard_base and self.world.size > 1
         self.device = device or self.world.device() or default_device()
         self.precision: Precision = resolve_precision(self.hp.precision, self.device)
         seed_everything(spec.seed)
@@ -186,20 +189,28 @@ class RLTrainer(EngineLoop):
         spec, hp = self.spec, self.hp
         # bf16: sample from a merged bf16 copy (half the weights' memory again, about half the generation time);
         # fp32: the copy would double the weights for a small gain, so the policy samples itself.
+        # A sharded base is loaded on the host and each rank moves its shard to its device; it has no sampler copy
+        # (a whole base per rank is what sharding avoids) and decodes uncompiled (FSDP's hooks run in every forward).
         policy = load_policy(
             spec.model,
             spec.method.lora,
-            device=self.device,
+            device=torch.device("cpu") if self.sharded else self.device,
             precision=self.precision,
             seed=spec.seed,
-            sampler_copy=self.precision == "bf16" and rollout_engine is None,
+            sampler_copy=self.precision == "bf16" and rollout_engine is None and not self.sharded,
         )
         self.model = policy.model
-        decode = decode_mode(
-            hp.compile_decode,
-            device=self.device,
-            bf16_sampler=policy.base_copy is not None,
-            decode_steps=self.total_steps * hp.max_completion_tokens,
+        if self.sharded:
+            self._shard()
+        decode = (
+            "dynamic"
+            if self.sharded
+            else decode_mode(
+                hp.compile_decode,
+                device=self.device,
+                bf16_sampler=policy.base_copy is not None,
+                decode_steps=self.total_steps * hp.max_completion_tokens,
+            )
         )
         if decode == "compiled":
             use_compile_cache()
@@ -214,6 +225,7 @@ class RLTrainer(EngineLoop):
                 precision=self.precision,
                 base_copy=policy.base_copy,
                 decode=decode,
+                lockstep=self.world.any if self.sharded else None,
             )
         )
         self.compile_s_reported, self.compile_failure_reported = 0.0, False
@@ -233,6 +245,16 @@ class RLTrainer(EngineLoop):
         )
         self.params = trainable_parameters(self.model)  # the policy's LoRA weights
         self._build_critic_and_engine()
+
+    def _shard(self) -> None:
+        """Shard the frozen base across the ranks (``trainer.distributed.shard_frozen_base``), said in an event."""
+        sharding = shard_frozen_base(self.model, self.world, self.device)
+        self.cb.on_event(
+            "info",
+            f"the base's frozen weights are sharded across {self.world.size} devices: {sharding.held:,} of "
+            f"{sharding.total:,} on each, {sharding.layers} decoder layers gathered one at a time",
+            {"ranks": self.world.size, "held": sharding.held, "total": sharding.total, "layers": sharding.layers},
+        )
 
     def _build_critic_and_engine(self) -> None:
         """PPO's critic where the recipe has one, then the training engine over the policy's (and critic's) weights."""
@@ -560,9 +582,16 @@ class RLTrainer(EngineLoop):
         if self.world.size == 1:
             return fn(ro)
         lo, hi = self.world.block(len(ro))
-        mine = fn(ro.select(torch.arange(lo, hi, device=ro.prompt_ids.device)))
+        idx = torch.arange(lo, hi)
+        if self.sharded:  # lockstep: every rank runs the largest share's passes (padded with copies of row 0)
+            idx = torch.cat([idx, idx.new_zeros(self._largest_share(len(ro)) - (hi - lo))])
+        mine = tuple(t[: hi - lo] for t in fn(ro.select(idx.to(ro.prompt_ids.device))))
         blocks = self.world.gather(tuple(t.cpu() for t in mine))
         return tuple(torch.cat([b[i] for b in blocks]).to(self.device) for i in range(len(mine)))
+
+    def _largest_share(self, n: int) -> int:
+        """The rows of the largest rank's share of ``n`` (at least one: a rank with none runs a padding row)."""
+        return max(1, -(-n // self.world.size))
 
     def _token_rewards(self, batch: Batch) -> Tensor:
         """PPO's per-token rewards: the score on the last policy token, −β·KL on each (optionally whitened)."""
@@ -636,6 +665,8 @@ class RLTrainer(EngineLoop):
                 self.engine.zero_grad()
                 lo, hi = self.world.block(len(mb))  # this rank's share, against the whole mini-batch's totals
                 mine = mb[lo:hi]
+                if self.sharded:  # lockstep: padding rows (index -1) train nothing but run the passes
+                    mine = torch.cat([mine, mine.new_full((self._largest_share(len(mb)) - len(mine),), -1)])
                 for sl in micro_slices(len(mine), hp.micro_batch_size):
                     sums.add(self._micro_batch(batch, adv, mine[sl], scale, first_pass=it == 0))
                 self.sync_gradients()
@@ -651,8 +682,10 @@ class RLTrainer(EngineLoop):
     def _micro_batch(self, batch: Batch, adv: Advantages, idx: Tensor, scale: LossScale, *, first_pass: bool) -> Sums:
         """One micro-batch's loss (policy, KL in the loss, value), backpropagated; its sums for the metrics."""
         hp = self.hp
+        live = idx >= 0  # a sharded run's padding rows are -1 (their mask is 0: no loss, no metrics)
+        idx = idx.clamp(min=0)
         part = batch.rollout.select(idx.to(self.device))
-        mask = batch.loss_mask[idx]
+        mask = batch.loss_mask[idx] * live.unsqueeze(-1).to(batch.loss_mask.device)
         v = hidden = None
         if self.critic is not None and self.critic.fuses:  # the policy's and the critic's forward as one
             logp, ent, v = self.engine.run_forward(
@@ -700,7 +733,8 @@ class RLTrainer(EngineLoop):
         s.approx_kl = float(masked_sum(0.5 * (logp.detach() - old) ** 2, mask))
         if ent is not None:
             s.entropy, s.entropy_tokens = float(masked_sum(ent, mask)), s.tokens
-        s.train_tokens = int(part.prompt_mask.sum() + part.completion_mask.sum())
+        rows = live.to(part.prompt_mask.device)
+        s.train_tokens = int(part.prompt_mask[rows].sum() + part.completion_mask[rows].sum())
         return s
 
     def _update_metrics(self, batch: Batch, adv: Advantages, s: Sums, *, train_s: float) -> dict[str, float]:
@@ -737,7 +771,10 @@ class RLTrainer(EngineLoop):
     # -- log -------------------------------------------------------------------------------------------------------
 
     def validation_metrics(self) -> dict[str, float]:
-        """Greedy mean reward on the validation prompts (and per named sub-grader); rank 0's, on every rank."""
+        """Greedy mean reward on the validation prompts (and per named sub-grader); rank 0's, on every rank (a
+        sharded base's: every rank's block of the prompts, in lockstep)."""
+        if self.sharded:
+            return self._validation_metrics()
         return self.from_rank0(self._validation_metrics)
 
     def _validation_metrics(self) -> dict[str, float]:
@@ -747,6 +784,10 @@ class RLTrainer(EngineLoop):
         if self.agent is not None:
             res, episodes = self.agent.evaluate(self.val_ids, self.val_items, self.grader, greedy)
             out[M.VAL_EPISODE_TOOL_CALL_RATE] = episode_metrics(episodes).get(M.EPISODE_TOOL_CALL_RATE, 0.0)
+        elif self.sharded:
+            res = evaluate_blocks(
+                self.rollout_engine, self.tokenizer, self.val_ids, self.val_items, self.grader, greedy, self.world
+            )
         else:
             res = evaluate_engine(
                 self.rollout_engine, self.tokenizer, self.val_ids, self.val_items, self.grader, greedy

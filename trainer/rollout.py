@@ -240,6 +240,7 @@ def generate(
     precision: Precision = "fp32",
     with_logprobs: Literal[False] = False,
     decoder: StaticDecoder | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> Rollout: ...
 
 
@@ -263,6 +264,7 @@ def generate(
     precision: Precision = "fp32",
     with_logprobs: Literal[True],
     decoder: StaticDecoder | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> tuple[Rollout, Tensor]: ...
 
 
@@ -286,6 +288,7 @@ def generate(
     precision: Precision = "fp32",
     with_logprobs: bool,
     decoder: StaticDecoder | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> Rollout | tuple[Rollout, Tensor]: ...
 
 
@@ -309,6 +312,7 @@ def generate(
     precision: Precision = "fp32",
     with_logprobs: bool = False,
     decoder: StaticDecoder | None = None,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> Rollout | tuple[Rollout, Tensor]:
     """Sample one completion per prompt row with a KV cache. prompt_ids, prompt_mask [N, P] → :class:`Rollout`.
 
@@ -326,6 +330,9 @@ def generate(
     one pass) when the sampler is the policy itself in fp32; not with a bf16 sampler copy (test_rollout).
 
     ``decoder`` decodes on its static cache (:class:`StaticDecoder`, compiled or not) instead of a growing one.
+
+    ``lockstep(running)`` (a sharded model's ranks, ``trainer.distributed``) says whether any rank still has a running
+    row: the loop goes on, its rows all done, until no rank has one, so that every rank runs the same forwards.
     """
     device = prompt_ids.device
     n = prompt_ids.shape[0]
@@ -377,7 +384,10 @@ def generate(
         newly = (~done) & hit
         lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
         done = done | newly
-        if bool(done.all()) or t == max_new_tokens - 1:
+        finished = bool(done.all())
+        if lockstep is not None and t < max_new_tokens - 1:
+            finished = not lockstep(not finished)
+        if finished or t == max_new_tokens - 1:
             break
         pos = pos + 1
         if decoder is not None:

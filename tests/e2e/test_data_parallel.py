@@ -4,6 +4,7 @@ killed rank fails the attempt the way a killed trainer does."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -119,6 +120,87 @@ def test_two_ranks_train_what_one_does_on_the_same_global_batch(
     assert [m.step for m in runs[2] if isinstance(m, msg.Checkpoint)] == [3]
     assert sum(isinstance(m, msg.Started) for m in runs[2]) == 1
     assert sum(isinstance(m, msg.Done) for m in runs[2]) == 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_sharded_base_computes_what_the_whole_one_does(
+    random_model_dir: Path, tmp_path: Path, precision: str
+) -> None:
+    """Two ranks each hold half of the frozen base (FSDP2, the LoRA weights whole on both; in bf16 the linears are
+    bf16 beside fp32 norms): the logits and LoRA gradients of uneven shares of rows equal the unsharded policy's, and
+    sampling in lockstep gives each rank's rows what they get alone."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         "-m", "tests.sharded_ranks", str(random_model_dir), precision, str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        _, stderr = launcher.communicate(timeout=300)
+    finally:  # the ranks too, should they hang (a collective one rank never joins)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["base_is_sharded"] and r["lora_is_whole"] and r["layers"] == 2
+        assert r["held"] == r["total"] // 2
+        assert r["logits_max_diff"] <= 1e-6 * r["logits_scale"]  # the same weights, gathered: the same sums
+        assert r["grad_max_diff"] <= 1e-6 * r["grad_scale"] and r["grad_scale"] > 0
+        assert r["completions_equal"]
+    assert ranks[1]["lengths"] == [1] and max(ranks[0]["lengths"]) > 1  # rank 1 decoded on past its row's end
+
+
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_two_ranks_sharing_a_sharded_base_train_what_one_unsharded_does(
+    method: str, random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    """``resources.shard_base``: each rank holds half the frozen base (FSDP2) and the ranks run every pass in lockstep,
+    their shares uneven everywhere: sampling (groups 2 and 1: 6 rows and 3, decoding on while either rank runs),
+    the reference pass (9 rows: 5 and 4, a micro-batch a row), the mini-batches (3 rows: shares 2 and 1) and
+    validation (5 prompts: 3 and 2). The training is one unsharded rank's on the same global batch, and the
+    checkpoint resumes on one rank."""
+    hp = {
+        "max_steps": 3,
+        "batch_size": 3,
+        "group_size": 3,
+        "beta": 0.05,
+        "mini_batches": 3,
+        "micro_batch_size": 1,
+        "checkpoint_interval": 3,
+        "eval_interval": 3,
+        "eval_samples": 5,
+        "max_completion_tokens": 32,
+    }  # fmt: skip  (the random model's EOS: the ranks' rows end at different steps)
+    spec = make_spec(random_model_dir, arithmetic_data, method, **hp)
+    one = run_ranks(tmp_path / "one", spec, 1)
+    two = run_ranks(tmp_path / "sharded", spec | {"resources": {"gpus": 2, "shard_base": True}}, 2)
+    metrics = {n: {m.step: m.metrics for m in ms if isinstance(m, msg.Metrics)} for n, ms in ((1, one), (2, two))}
+    assert sorted(metrics[1]) == sorted(metrics[2]) == [0, 1, 2, 3]
+    for step in (0, 3):  # greedy validation: the same completions, graded alike
+        assert metrics[2][step][M.VAL_REWARD_MEAN] == metrics[1][step][M.VAL_REWARD_MEAN]
+    for step in (1, 2, 3):
+        a, b = metrics[1][step], metrics[2][step]
+        assert b[M.REWARD_MEAN] == a[M.REWARD_MEAN]  # the same completions were sampled
+        rel = 1e-5 if step == 1 else 2e-3
+        for name in (M.LOSS_TOTAL, M.GRAD_NORM, M.KL_MEAN, M.ENTROPY_MEAN, M.ADVANTAGE_STD):
+            assert b[name] == pytest.approx(a[name], rel=rel, abs=1e-7), (step, name)
+    assert metrics[1][1][M.GRAD_NORM] > 0 and metrics[1][3][M.KL_MEAN] > 1e-4  # (the reference pass is compared)
+    sharded = [m for m in two if isinstance(m, msg.Event) and "sharded across 2 devices" in m.message]
+    assert len(sharded) == 1  # rank 0's word: it holds half of the base (each matrix's rows split in two)
+    held, total = sharded[0].data["held"], sharded[0].data["total"]
+    assert held == total // 2 and sharded[0].data["layers"] == 2
+    a, b = adapter(tmp_path / "one"), adapter(tmp_path / "sharded")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert float((b[name] - a[name]).norm()) <= 1e-2 * float(a[name].norm()) + 1e-7, name
+    # the sharded run's checkpoint (whole LoRA weights and optimiser state, as any) resumes on one rank
+    hp5 = spec["method"][method]["hyperparameters"] | {"max_steps": 4, "eval_interval": 0}
+    resumed = spec | {"method": {"type": method, method: spec["method"][method] | {"hyperparameters": hp5}}}
+    rest = run_ranks(tmp_path / "sharded", resumed, 1)
+    said = [m for m in rest if isinstance(m, msg.Event) and m.message.startswith("resumed from checkpoint")]
+    assert said and said[0].data["step"] == 3
+    assert [m.step for m in rest if isinstance(m, msg.Metrics)] == [4]
 
 
 def test_two_ranks_run_an_agent_jobs_episodes_as_one_does(

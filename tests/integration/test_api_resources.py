@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from api.tasks import queue_for, queues_of
-from tests.integration.conftest import CELERY_QUEUE, assert_error, http_client, job_body, serve, set_job
+from tests.integration.conftest import CELERY_QUEUE, GRADER, assert_error, http_client, job_body, serve, set_job
 from worker.broker import job_id_of
 
 
@@ -108,6 +108,45 @@ def test_an_agent_job_may_ask_for_several_devices_and_waits_in_the_queue_of_its_
     job = r.json()
     assert job["resources"] == {"gpus": 2} and job["method"]["grpo"]["tools"] == [tool]
     assert job["id"] in queued_ids(redis_url, "proxima.gpus.2")
+
+
+def test_a_job_may_shard_its_base_across_its_devices(
+    large_api: httpx.Client, training_file: str, redis_url: str
+) -> None:
+    """``shard_base``: the frozen base's weights split across the devices (FSDP2: tests/e2e/test_data_parallel)."""
+    r = large_api.post("/v1/fine_tuning/jobs", json=job_body(training_file, resources={"gpus": 2, "shard_base": True}))
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["resources"] == {"gpus": 2, "shard_base": True}
+    assert job["id"] in queued_ids(redis_url, "proxima.gpus.2")
+    assert large_api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["resources"] == {"gpus": 2, "shard_base": True}
+
+
+SHARDED = {"gpus": 2, "shard_base": True}
+
+
+@pytest.mark.parametrize(
+    ("method", "resources", "words"),
+    [
+        ({}, {"gpus": 1, "shard_base": True}, "shard_base needs gpus of 2 or more"),
+        ({"type": "ppo", "ppo": {"grader": GRADER, "hyperparameters": {"batch_size": 2}}}, SHARDED,
+         "shard_base supports grpo, dr_grpo, dapo, rloo, reinforce; not ppo"),
+        ({"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}}, SHARDED, "not dpo"),
+        ({"tools": True}, SHARDED, "does not run agent (multi-turn) jobs"),
+        ({}, {"gpus": 2, "shard_base": "yes please"}, "valid boolean"),
+    ],
+)  # fmt: skip
+def test_a_sharded_base_the_job_cannot_use_is_a_400_naming_it(
+    large_api: httpx.Client, training_file: str, method: dict[str, Any], resources: dict[str, Any], words: str
+) -> None:
+    body = job_body(training_file, resources=resources)
+    if method.get("tools"):
+        tool = {"name": "calculator", "server_url": "https://1.1.1.1/tools/calc", "headers": {}}
+        body["method"]["grpo"].update(tools=[tool], max_episode_steps=3)
+    elif method:
+        body["method"] = method
+    r = large_api.post("/v1/fine_tuning/jobs", json=body)
+    assert_error(r, 400, param="resources.shard_base", message_contains=words)
 
 
 def test_a_batch_smaller_than_the_devices_is_a_400_naming_resources(
