@@ -24,9 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import (  # noqa: E402
+from common import (
     DEFAULT_WORKDIR,
     GRADER,
     LORA_ALPHA,
@@ -123,7 +121,7 @@ def rank(side: str, model_dir: Path, prompts: Path, steps: int, warmup: int, out
 
 def worker(side: str, model: str, steps: int, warmup: int, workdir: Path) -> dict[str, Any]:
     """A side's run: two ranks under torch's launcher; rank 0's step times, each rank's peaks."""
-    model_dir, prompts = build_assets(workdir, model)
+    build_assets(workdir, model)
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
                "--rank", side, "--model", model, "--steps", str(steps), "--warmup", str(warmup),
