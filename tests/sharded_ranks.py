@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from trainer import distributed
 from trainer.config import LoraSpec
 from trainer.engine import load_policy
+from trainer.generation import HFRolloutEngine, SamplingParams
 from trainer.models import autocast
 from trainer.rollout import generate, left_pad
 from trainer.tiny_arith import build_tokenizer
@@ -47,7 +48,19 @@ def main(model: str, precision: str, out: Path) -> None:
               "precision": precision, "row_seeds": list(range(len(texts))), "stop_ids": stop}  # fmt: skip
         alone = generate(whole, ids, mask, **kw)  # type: ignore[call-overload]
         together = generate(sharded, ids, mask, lockstep=world.any, **kw)  # type: ignore[call-overload]
+    # A rank with no prompts (fewer validation prompts than ranks) decodes a padding row for the others and gets none
+    engine = HFRolloutEngine(
+        sharded, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, device=cpu, precision=precision, lockstep=world.any
+    )
+    mine = [tok.encode("12+3=")] if world.rank == 0 else []
+    with torch.no_grad():
+        greedy = engine.generate(mine, SamplingParams(max_new_tokens=8, temperature=0.0), generator=None)
+        alone_greedy = generate(whole, *left_pad(mine or [[0]], tok.pad_token_id), max_new_tokens=8,
+                                eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=0.0,
+                                precision=precision)  # type: ignore[call-overload]  # fmt: skip
     result = {
+        "rows_of_no_prompts": len(greedy.rollout) if not mine else None,
+        "greedy_equal": not mine or torch.equal(greedy.rollout.completion_ids, alone_greedy.completion_ids),
         "held": sharding.held,
         "total": sharding.total,
         "layers": sharding.layers,

@@ -44,6 +44,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from trainer.models import map_large_blocks
+
 T = TypeVar("T")
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
@@ -148,6 +150,7 @@ def shard_frozen_base(model: torch.nn.Module, world: World, device: torch.device
     """Shard ``model``'s frozen weights across the world's ranks with FSDP2 (``fully_shard`` on each decoder layer,
     the modules the model's ``_no_split_modules`` names, then on the whole model); its trainable weights (LoRA) stay
     whole on every rank. A model loaded on the CPU moves to ``device`` (each rank keeps its shard there)."""
+    map_large_blocks(device)  # on a CPU a gathered layer's memory goes back to the OS when freed
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:  # fully_shard moves what it shards (and the buffers); the rest is ours to move
         p.data = p.data.to(device)

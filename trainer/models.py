@@ -93,6 +93,20 @@ def _glibc_malloc_trim() -> Callable[[int], int] | None:
 
 
 _MALLOC_TRIM = _glibc_malloc_trim()
+_LIBC = ctypes.CDLL("libc.so.6") if _MALLOC_TRIM is not None else None
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_large_blocks(device: torch.device, threshold: int = 1 << 20) -> bool:
+    """On the CPU, have glibc map every block of ``threshold`` bytes or more on its own and unmap it when freed.
+    glibc's default threshold rises (up to 32 MiB) each time such a block is freed, after which blocks of that size
+    come from the heap and stay with the process when freed; a sharded base's gathered layers (freed after every
+    forward) then grow a rank back toward the whole base (bench/sharded_base.py). Returns whether it was set."""
+    if device.type != "cpu" or _LIBC is None:
+        return False
+    return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 def trim_freed_memory(device: torch.device) -> None:

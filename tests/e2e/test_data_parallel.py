@@ -127,8 +127,9 @@ def test_a_sharded_base_computes_what_the_whole_one_does(
     random_model_dir: Path, tmp_path: Path, precision: str
 ) -> None:
     """Two ranks each hold half of the frozen base (FSDP2, the LoRA weights whole on both; in bf16 the linears are
-    bf16 beside fp32 norms): the logits and LoRA gradients of uneven shares of rows equal the unsharded policy's, and
-    sampling in lockstep gives each rank's rows what they get alone."""
+    bf16 beside fp32 norms): the logits and LoRA gradients of uneven shares of rows equal the unsharded policy's,
+    sampling in lockstep gives each rank's rows what they get alone, and a rank with no prompts decodes for the
+    other's."""
     launcher = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
          "-m", "tests.sharded_ranks", str(random_model_dir), precision, str(tmp_path)],
@@ -149,6 +150,7 @@ def test_a_sharded_base_computes_what_the_whole_one_does(
         assert r["grad_max_diff"] <= 1e-6 * r["grad_scale"] and r["grad_scale"] > 0
         assert r["completions_equal"]
     assert ranks[1]["lengths"] == [1] and max(ranks[0]["lengths"]) > 1  # rank 1 decoded on past its row's end
+    assert ranks[1]["rows_of_no_prompts"] == 0 and ranks[0]["greedy_equal"]  # a rank with none ran a padding row
 
 
 @pytest.mark.parametrize("method", ["grpo", "rloo"])
