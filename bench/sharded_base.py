@@ -1,5 +1,6 @@
 """What sharding the base costs and saves (``resources.shard_base``, FSDP2): one GRPO job on two ranks over gloo,
-its base replicated on both (``ddp``) or sharded across them (``fsdp``), side by side.
+its base replicated on both (``ddp``), sharded across them (``fsdp``), or sharded and gathered whole for each
+generation (``gather``: ``gather_for_generation``), side by side.
 
 Each side is ``torch.distributed.run`` with two ranks of this script; every rank reports its peak RSS (``VmHWM``)
 over the whole run (the load included: each rank loads the whole base on the host before keeping its shard) and over
@@ -44,7 +45,7 @@ from common import (
 PROMPTS, GROUP, COMPLETION = 2, 4, 16
 
 
-def spec(model_dir: Path, prompts: Path, *, sharded: bool, max_steps: int) -> Any:
+def spec(model_dir: Path, prompts: Path, *, side: str, max_steps: int) -> Any:
     from trainer.config import parse_spec
 
     hp = {"batch_size": PROMPTS, "group_size": GROUP, "max_steps": max_steps, "learning_rate": LR, "beta": 0.04,
@@ -63,7 +64,7 @@ def spec(model_dir: Path, prompts: Path, *, sharded: bool, max_steps: int) -> An
                     "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": "all-linear"},
                 },
             },
-            "resources": {"gpus": 2, "shard_base": sharded},
+            "resources": {"gpus": 2, "shard_base": side != "ddp", "gather_for_generation": side == "gather"},
         }
     )
 
@@ -92,7 +93,7 @@ def rank(side: str, model_dir: Path, prompts: Path, steps: int, warmup: int, out
     whole_peak = 0.0
     with tempfile.TemporaryDirectory() as run:
         t = RLTrainer(
-            spec(model_dir, prompts, sharded=side == "fsdp", max_steps=warmup + steps),
+            spec(model_dir, prompts, side=side, max_steps=warmup + steps),
             output_dir=Path(run),
             callback=Clock(),
             device=torch.device("cpu"),
@@ -112,7 +113,10 @@ def rank(side: str, model_dir: Path, prompts: Path, steps: int, warmup: int, out
         t.run()
         whole_peak = max(loaded_peak, peak_rss_mib())
         steps_peak = peak_rss_mib()
-    held = sum(p.numel() for p in t.model.parameters() if not p.requires_grad)  # local elements (DTensor: shard)
+    from torch.distributed.tensor import DTensor
+
+    frozen = [p for p in t.model.parameters() if not p.requires_grad]
+    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in frozen)  # this rank's
     (out / f"rank{world.rank}.json").write_text(
         json.dumps({"step_s": times, "peak_rss_mib": steps_peak, "run_peak_rss_mib": whole_peak, "numel": held})
     )
@@ -160,7 +164,7 @@ def main() -> None:
         return
     build_assets(a.workdir, a.model)
     argv = ["--model", a.model, "--steps", str(a.steps), "--warmup", str(a.warmup), "--workdir", str(a.workdir)]
-    runs = run_rounds(["ddp", "fsdp"], a.rounds, lambda side: run_worker(__file__, side, argv))
+    runs = run_rounds(["ddp", "fsdp", "gather"], a.rounds, lambda side: run_worker(__file__, side, argv))
     for side, every in runs.items():
         rs = idle_runs(every)
         times = [t for r in rs for t in r["step_s"]]

@@ -58,7 +58,13 @@ def main(model: str, precision: str, out: Path) -> None:
         alone_greedy = generate(whole, *left_pad(mine or [[0]], tok.pad_token_id), max_new_tokens=8,
                                 eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=0.0,
                                 precision=precision)  # type: ignore[call-overload]  # fmt: skip
+    with distributed.gathered(sharded):  # the whole base on each rank for a generation: one gather, no lockstep
+        whole_inside = not any(isinstance(p, DTensor) for p in sharded.parameters())
+        with torch.no_grad():
+            at_once = generate(sharded, ids, mask, **kw)  # type: ignore[call-overload]
     result = {
+        "whole_inside_gathered": whole_inside,
+        "gathered_completions_equal": torch.equal(alone.completion_ids, at_once.completion_ids),
         "rows_of_no_prompts": len(greedy.rollout) if not mine else None,
         "greedy_equal": not mine or torch.equal(greedy.rollout.completion_ids, alone_greedy.completion_ids),
         "held": sharding.held,

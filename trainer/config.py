@@ -452,6 +452,9 @@ class Resources(BaseModel):
 
     gpus: int = Field(1, ge=1, le=MAX_GPUS)
     shard_base: bool = False
+    # with shard_base: the whole base gathered on every device for each generation (one gather, not one per decode
+    # step and layer); for a base that fits one device beside the generation's cache
+    gather_for_generation: bool = False
 
 
 class JobSpec(BaseModel):
@@ -481,14 +484,20 @@ class JobSpec(BaseModel):
         return self.resources.gpus if self.resources is not None else 1
 
     @property
+    def gather_for_generation(self) -> bool:
+        """Whether a sharded base is gathered whole for each generation."""
+        return self.resources is not None and self.resources.gather_for_generation
+
+    @property
     def shard_base(self) -> bool:
         """Whether the base's weights are sharded across the job's devices (FSDP2) rather than copied to each."""
         return self.resources is not None and self.resources.shard_base
 
     def to_json(self) -> dict[str, Any]:
         out = self.model_dump(mode="json", exclude={"method"}, exclude_none=True)
-        if "resources" in out and not out["resources"]["shard_base"]:
-            del out["resources"]["shard_base"]  # said only when asked for: {"gpus": N} as before
+        for flag in ("shard_base", "gather_for_generation"):  # said only when asked for: {"gpus": N} as before
+            if "resources" in out and not out["resources"][flag]:
+                del out["resources"][flag]
         out["method"] = self.method.to_json()
         return out
 
@@ -648,6 +657,10 @@ def parse_spec(raw: Any) -> JobSpec:
         raise _first_error(err, "") from None
     if spec.shard_base:
         _check_sharded(spec)
+    elif spec.resources is not None and spec.resources.gather_for_generation:
+        raise SpecError(
+            "gather_for_generation gathers a sharded base: it needs shard_base", param="resources.gather_for_generation"
+        )
     return spec
 
 

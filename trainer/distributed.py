@@ -33,7 +33,9 @@ rows runs a padding row, and the scoring and training passes pad each rank's sha
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -41,7 +43,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.models import map_large_blocks
@@ -167,6 +169,22 @@ def shard_frozen_base(model: torch.nn.Module, world: World, device: torch.device
         p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters() if not p.requires_grad
     )
     return Sharding(held=held, total=total, layers=len(layers))
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module) -> Iterator[None]:
+    """A sharded model's weights whole on every rank for the block (one all-gather of every sharded module at the
+    start, not one per forward; a collective, so every rank enters it), sharded again after it."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_reshard_after_forward(True)
+            m.reshard()
 
 
 def _no_split_modules(model: torch.nn.Module) -> list[str]:

@@ -11,6 +11,7 @@ episode runner) is another implementation of :class:`RolloutEngine`; the loop do
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -116,9 +117,11 @@ class HFRolloutEngine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         decode: DecodeMode = "dynamic",
         lockstep: Callable[[bool], bool] | None = None,
+        whole_weights: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
     ) -> None:
         self.policy, self.eos_id, self.pad_id = policy, eos_id, pad_id
         self.lockstep = lockstep  # a sharded policy's ranks decode in lockstep (trainer.rollout.generate)
+        self.whole_weights = whole_weights  # a sharded policy gathered whole for each generation (distributed.gathered)
         self.decode = decode
         self._decoder: StaticDecoder | None = None
         self.tokenizer = tokenizer  # decodes completions for stop strings
@@ -177,27 +180,28 @@ class HFRolloutEngine:
         stop_text = self._stop_text(params.stop_strings) if params.stop_strings else None
         if self.decode != "dynamic" and (self._decoder is None or self._decoder.model is not model):
             self._decoder = StaticDecoder(model, compiled=self.decode == "compiled")
-        out = generate(
-            model,
-            ids.to(self.device),
-            mask.to(self.device),
-            max_new_tokens=params.max_new_tokens,
-            eos_id=self.eos_id,
-            pad_id=self.pad_id,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            min_new_tokens=params.min_new_tokens,
-            top_k=params.top_k,
-            stop_ids=None if params.stop_token_ids is None else sorted(params.stop_token_ids),
-            stop_text=stop_text,
-            generator=generator,
-            row_seeds=row_seeds,
-            precision=precision,
-            # greedy decoding (validation) needs none unless asked for
-            with_logprobs=(self.exact_logprobs and params.temperature > 0) or params.logprobs,
-            decoder=self._decoder if self.decode != "dynamic" else None,
-            lockstep=self.lockstep,
-        )
+        with self.whole_weights() if self.whole_weights is not None else contextlib.nullcontext():
+            out = generate(
+                model,
+                ids.to(self.device),
+                mask.to(self.device),
+                max_new_tokens=params.max_new_tokens,
+                eos_id=self.eos_id,
+                pad_id=self.pad_id,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                min_new_tokens=params.min_new_tokens,
+                top_k=params.top_k,
+                stop_ids=None if params.stop_token_ids is None else sorted(params.stop_token_ids),
+                stop_text=stop_text,
+                generator=generator,
+                row_seeds=row_seeds,
+                precision=precision,
+                # greedy decoding (validation) needs none unless asked for
+                with_logprobs=(self.exact_logprobs and params.temperature > 0) or params.logprobs,
+                decoder=self._decoder if self.decode != "dynamic" else None,
+                lockstep=self.lockstep,
+            )
         rollout, logp = out if isinstance(out, tuple) else (out, None)
         return Generation(rollout, logp, time.perf_counter() - t0)
 

@@ -52,7 +52,7 @@ from trainer.core_algos import (
 )
 from trainer.critic import build_critic
 from trainer.data import DatasetError, PromptItem, load_prompts, offered_functions
-from trainer.distributed import World, shard_frozen_base
+from trainer.distributed import World, gathered, shard_frozen_base
 from trainer.encoding import PromptSampler, PromptTooLongError, encode_prompts, thinking_kwargs
 from trainer.engine import Engine, ParamGroup, check_context, load_policy, seed_everything
 from trainer.episodes import Episode
@@ -226,6 +226,7 @@ class RLTrainer(EngineLoop):
                 base_copy=policy.base_copy,
                 decode=decode,
                 lockstep=self.world.any if self.sharded else None,
+                whole_weights=(lambda: gathered(self.model)) if self.sharded and spec.gather_for_generation else None,
             )
         )
         self.compile_s_reported, self.compile_failure_reported = 0.0, False

@@ -151,17 +151,19 @@ def test_a_sharded_base_computes_what_the_whole_one_does(
         assert r["completions_equal"]
     assert ranks[1]["lengths"] == [1] and max(ranks[0]["lengths"]) > 1  # rank 1 decoded on past its row's end
     assert ranks[1]["rows_of_no_prompts"] == 0 and ranks[0]["greedy_equal"]  # a rank with none ran a padding row
+    for r in ranks:  # gathered whole for a generation (gather_for_generation), then sharded again
+        assert r["whole_inside_gathered"] and r["gathered_completions_equal"] and r["base_is_sharded"]
 
 
-@pytest.mark.parametrize("method", ["grpo", "rloo"])
+@pytest.mark.parametrize(("method", "gather"), [("grpo", False), ("rloo", True)])
 def test_two_ranks_sharing_a_sharded_base_train_what_one_unsharded_does(
-    method: str, random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+    method: str, gather: bool, random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
     """``resources.shard_base``: each rank holds half the frozen base (FSDP2) and the ranks run every pass in lockstep,
     their shares uneven everywhere: sampling (groups 2 and 1: 6 rows and 3, decoding on while either rank runs),
     the reference pass (9 rows: 5 and 4, a micro-batch a row), the mini-batches (3 rows: shares 2 and 1) and
-    validation (5 prompts: 3 and 2). The training is one unsharded rank's on the same global batch, and the
-    checkpoint resumes on one rank."""
+    validation (5 prompts: 3 and 2); with ``gather_for_generation`` the base is gathered whole for each generation.
+    The training is one unsharded rank's on the same global batch, and the checkpoint resumes on one rank."""
     hp = {
         "max_steps": 3,
         "batch_size": 3,
@@ -176,7 +178,8 @@ def test_two_ranks_sharing_a_sharded_base_train_what_one_unsharded_does(
     }  # fmt: skip  (the random model's EOS: the ranks' rows end at different steps)
     spec = make_spec(random_model_dir, arithmetic_data, method, **hp)
     one = run_ranks(tmp_path / "one", spec, 1)
-    two = run_ranks(tmp_path / "sharded", spec | {"resources": {"gpus": 2, "shard_base": True}}, 2)
+    sharded = {"gpus": 2, "shard_base": True, "gather_for_generation": gather}
+    two = run_ranks(tmp_path / "sharded", spec | {"resources": sharded}, 2)
     metrics = {n: {m.step: m.metrics for m in ms if isinstance(m, msg.Metrics)} for n, ms in ((1, one), (2, two))}
     assert sorted(metrics[1]) == sorted(metrics[2]) == [0, 1, 2, 3]
     for step in (0, 3):  # greedy validation: the same completions, graded alike

@@ -118,6 +118,9 @@ def test_a_job_may_shard_its_base_across_its_devices(
     assert r.status_code == 200, r.text
     job = r.json()
     assert job["resources"] == {"gpus": 2, "shard_base": True}
+    asked = {"gpus": 2, "shard_base": True, "gather_for_generation": True}
+    r = large_api.post("/v1/fine_tuning/jobs", json=job_body(training_file, resources=asked))
+    assert r.status_code == 200 and r.json()["resources"] == asked, r.text
     assert job["id"] in queued_ids(redis_url, "proxima.gpus.2")
     assert large_api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["resources"] == {"gpus": 2, "shard_base": True}
 
@@ -134,6 +137,7 @@ SHARDED = {"gpus": 2, "shard_base": True}
         ({"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}}, SHARDED, "not dpo"),
         ({"tools": True}, SHARDED, "does not run agent (multi-turn) jobs"),
         ({}, {"gpus": 2, "shard_base": "yes please"}, "valid boolean"),
+        ({}, {"gpus": 2, "gather_for_generation": True}, "it needs shard_base"),
     ],
 )  # fmt: skip
 def test_a_sharded_base_the_job_cannot_use_is_a_400_naming_it(
@@ -146,7 +150,8 @@ def test_a_sharded_base_the_job_cannot_use_is_a_400_naming_it(
     elif method:
         body["method"] = method
     r = large_api.post("/v1/fine_tuning/jobs", json=body)
-    assert_error(r, 400, param="resources.shard_base", message_contains=words)
+    param = "resources.gather_for_generation" if "gather_for_generation" in resources else "resources.shard_base"
+    assert_error(r, 400, param=param, message_contains=words)
 
 
 def test_a_batch_smaller_than_the_devices_is_a_400_naming_resources(
