@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -262,54 +263,36 @@ def evaluate_engine(
     *,
     batch_size: int = 64,
     generator: torch.Generator | None = None,
+    world: World | None = None,
 ) -> EvalResult:
-    """Mean reward of one completion per prompt from a rollout engine (greedy at temperature 0)."""
+    """Mean reward of one completion per prompt from a rollout engine (greedy at temperature 0), ``batch_size`` rows
+    a generation. With ``world`` (the ranks of a sharded model, ``trainer.distributed``) every rank takes part and
+    gets the result: each generates and grades its block of the prompts in the same number of generations (the
+    largest block's; the engine decodes in lockstep, a rank with no rows a padding row), and the scores are
+    gathered; the texts are then this rank's."""
+    if world is None:
+        lo, hi = 0, len(prompts)
+        chunks = [list(range(s, min(s + batch_size, hi))) for s in range(0, hi, batch_size)]
+    else:
+        lo, hi = world.block(len(prompts))
+        largest = math.ceil(len(prompts) / world.size)
+        calls = max(1, math.ceil(largest / batch_size))
+        chunks = [c.tolist() for c in torch.arange(lo, hi).tensor_split(calls)]
     texts: list[str] = []
     reasons: list[graders.FinishReason] = []
-    for start in range(0, len(prompts), batch_size):
-        gen = engine.generate(prompts[start : start + batch_size], params, generator=generator)
+    for chunk in chunks:
+        gen = engine.generate([prompts[i] for i in chunk], params, generator=generator)
         texts += decode_completions(tokenizer, gen.rollout)
         reasons += finish_reasons(gen.rollout)
-    scores = grade_batch(grader, texts, items, reasons)
-    return EvalResult(
-        mean_reward=float(scores.rewards.mean()),
-        n=len(texts),
-        sub_means={k: float(v.mean()) for k, v in scores.sub.items()},
-        texts=texts,
-    )
-
-
-def evaluate_blocks(
-    engine: RolloutEngine,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[list[int]],
-    items: Sequence[PromptItem],
-    grader: graders.Grader,
-    params: SamplingParams,
-    world: World,
-    *,
-    batch_size: int = 64,
-) -> EvalResult:
-    """:func:`evaluate_engine` by every rank of a sharded model at once (``trainer.distributed``), on every rank: each
-    generates and grades its block of the prompts in the same number of generation calls (the largest block's, at
-    most ``batch_size`` rows each; the engine decodes in lockstep), and the scores are gathered. The texts are this
-    rank's."""
-    lo, hi = world.block(len(prompts))
-    largest = -(-len(prompts) // world.size)
-    calls = max(1, -(-largest // batch_size))
-    texts: list[str] = []
-    reasons: list[graders.FinishReason] = []
-    for chunk in torch.arange(lo, hi).tensor_split(calls):  # some may be empty: the engine runs a padding row
-        gen = engine.generate([prompts[i] for i in chunk.tolist()], params, generator=None)
-        texts += decode_completions(tokenizer, gen.rollout)
-        reasons += finish_reasons(gen.rollout)
-    mine = grade_batch(grader, texts, items[lo:hi], reasons) if texts else None
-    blocks = [b for b in world.gather(None if mine is None else (mine.rewards, mine.sub)) if b is not None]
-    rewards = torch.cat([r for r, _ in blocks])
+    mine = grade_batch(grader, texts, items[lo:hi], reasons) if texts or world is None else None
+    scored = [(mine.rewards, mine.sub)] if world is None and mine is not None else []
+    if world is not None:
+        scored = [b for b in world.gather(None if mine is None else (mine.rewards, mine.sub)) if b is not None]
+    rewards = torch.cat([r for r, _ in scored])
     return EvalResult(
         mean_reward=float(rewards.mean()),
         n=len(rewards),
-        sub_means={k: float(torch.cat([sub[k] for _, sub in blocks]).mean()) for k in blocks[0][1]},
+        sub_means={k: float(torch.cat([sub[k] for _, sub in scored]).mean()) for k in scored[0][1]},
         texts=texts,
     )
 

@@ -60,7 +60,6 @@ from trainer.evaluate import (
     GraderMonitor,
     Scores,
     decode_completions,
-    evaluate_blocks,
     evaluate_engine,
     finish_reasons,
     grade_batch,
@@ -785,13 +784,15 @@ class RLTrainer(EngineLoop):
         if self.agent is not None:
             res, episodes = self.agent.evaluate(self.val_ids, self.val_items, self.grader, greedy)
             out[M.VAL_EPISODE_TOOL_CALL_RATE] = episode_metrics(episodes).get(M.EPISODE_TOOL_CALL_RATE, 0.0)
-        elif self.sharded:
-            res = evaluate_blocks(
-                self.rollout_engine, self.tokenizer, self.val_ids, self.val_items, self.grader, greedy, self.world
-            )
-        else:
+        else:  # a sharded base's ranks each evaluate their block of the prompts, in lockstep
             res = evaluate_engine(
-                self.rollout_engine, self.tokenizer, self.val_ids, self.val_items, self.grader, greedy
+                self.rollout_engine,
+                self.tokenizer,
+                self.val_ids,
+                self.val_items,
+                self.grader,
+                greedy,
+                world=self.world if self.sharded else None,
             )
         out[M.VAL_REWARD_MEAN] = res.mean_reward
         for name, v in res.sub_means.items():
