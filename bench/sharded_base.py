@@ -27,12 +27,6 @@ from typing import Any
 
 from common import (
     DEFAULT_WORKDIR,
-    GRADER,
-    LORA_ALPHA,
-    LORA_R,
-    LR,
-    PROMPT_MAX,
-    SEED,
     build_assets,
     emit_result,
     idle_runs,
@@ -41,32 +35,21 @@ from common import (
     run_rounds,
     run_worker,
 )
+from grpo_vs_trl import our_spec
 
 PROMPTS, GROUP, COMPLETION = 2, 4, 16
 
 
 def spec(model_dir: Path, prompts: Path, *, side: str, max_steps: int) -> Any:
-    from trainer.config import parse_spec
+    """``grpo_vs_trl.py``'s job in fp32 on this benchmark's smaller batch, on two ranks as ``side`` places the base."""
+    from trainer.config import Resources
 
-    hp = {"batch_size": PROMPTS, "group_size": GROUP, "max_steps": max_steps, "learning_rate": LR, "beta": 0.04,
-          "max_prompt_tokens": PROMPT_MAX, "min_completion_tokens": COMPLETION, "max_completion_tokens": COMPLETION,
-          "checkpoint_interval": 10**6, "rollouts_logged": 0, "precision": "fp32", "eval_interval": 0}  # fmt: skip
-    return parse_spec(
-        {
-            "model": str(model_dir),
-            "training_file": str(prompts),
-            "seed": SEED,
-            "method": {
-                "type": "grpo",
-                "grpo": {
-                    "grader": GRADER,
-                    "hyperparameters": hp,
-                    "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": "all-linear"},
-                },
-            },
-            "resources": {"gpus": 2, "shard_base": side != "ddp", "gather_for_generation": side == "gather"},
-        }
-    )
+    job = our_spec(model_dir, prompts, "fp32", max_steps=max_steps)
+    smaller = {"batch_size": PROMPTS, "group_size": GROUP, "min_completion_tokens": COMPLETION,
+               "max_completion_tokens": COMPLETION, "eval_interval": 0}  # fmt: skip
+    hp = job.method.hyperparameters.model_copy(update=smaller)
+    where = Resources(gpus=2, shard_base=side != "ddp", gather_for_generation=side == "gather")
+    return job.model_copy(update={"method": job.method.model_copy(update={"hyperparameters": hp}), "resources": where})
 
 
 def rank(side: str, model_dir: Path, prompts: Path, steps: int, warmup: int, out: Path) -> None:
