@@ -278,7 +278,7 @@ class Critic:
         for sl in micro_slices(len(batch), micro_batch_size):
             part = batch.select(torch.arange(sl.start, sl.stop))
             lp, _, hidden = completion_logprobs(
-                self.model, part, temperature=temperature, precision=precision, with_hidden=True
+                self.model, part, temperature=temperature, precision=precision, with_hidden=True, share_prompts=True
             )
             logps.append(lp)
             values.append(self.head_values(hidden))

@@ -182,6 +182,9 @@ class Engine:
         self.generator = torch.Generator(device).manual_seed(seed)  # the sampler's RNG, saved with every checkpoint
         self.extra: dict[str, Stateful] = {}
         self.weights_version = 0  # +1 at every change of the trainable weights (optimiser step, restore)
+        # rows with the same prompt share its forward (trainer.rollout.shared_prompt_forward); off where the ranks'
+        # forwards run in lockstep (a sharded base: the number of forwards would depend on each rank's rows)
+        self.share_prompts = True
 
     def next_indices(self, k: int) -> list[int]:
         """The data order's next ``k`` example indices (a loop's batch)."""
@@ -216,12 +219,17 @@ class Engine:
         has dropout); entropy [B, C] (no graph) and the last hidden states [B, C, H] when asked."""
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-            t, p, e = temperature, self.precision, with_entropy
+            t, p, e, share = temperature, self.precision, with_entropy, self.share_prompts
             if with_hidden:
                 return completion_logprobs(
-                    self.model, batch, temperature=t, precision=p, with_entropy=e, with_hidden=True
+                    self.model, batch, temperature=t, precision=p, with_entropy=e, with_hidden=True, share_prompts=share
                 )
-            return (*completion_logprobs(self.model, batch, temperature=t, precision=p, with_entropy=e), None)
+            return (
+                *completion_logprobs(
+                    self.model, batch, temperature=t, precision=p, with_entropy=e, share_prompts=share
+                ),
+                None,
+            )
 
         return self.run_forward(forward)
 
@@ -248,11 +256,12 @@ class Engine:
         out = []
         for sl in micro_slices(len(batch), micro_batch_size):
             part = batch.select(torch.arange(sl.start, sl.stop))
+            kw: dict[str, Any] = {"temperature": temperature, "precision": self.precision}
             if reference:
                 with reference_policy(self.model):
-                    lp, _ = completion_logprobs(self.model, part, temperature=temperature, precision=self.precision)
+                    lp, _ = completion_logprobs(self.model, part, share_prompts=self.share_prompts, **kw)
             else:
-                lp, _ = completion_logprobs(self.model, part, temperature=temperature, precision=self.precision)
+                lp, _ = completion_logprobs(self.model, part, share_prompts=self.share_prompts, **kw)
             out.append(lp)
         return cat_padded(out, batch.completion_ids.shape[1])
 

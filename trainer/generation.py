@@ -201,6 +201,7 @@ class HFRolloutEngine:
                 with_logprobs=(self.exact_logprobs and params.temperature > 0) or params.logprobs,
                 decoder=self._decoder if self.decode != "dynamic" else None,
                 lockstep=self.lockstep,
+                share_prompts=True,
             )
         rollout, logp = out if isinstance(out, tuple) else (out, None)
         return Generation(rollout, logp, time.perf_counter() - t0)

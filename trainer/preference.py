@@ -232,7 +232,7 @@ class PreferenceTrainer(EngineLoop):
     def _sequence_logps(self, batch: Rollout) -> Tensor:
         """log π(y|x) = Σ_t log π(y_t | x, y_<t) over the reply's tokens (EOS included), no length normalisation:
         [B]."""
-        logp, _ = completion_logprobs(self.model, batch, temperature=1.0, precision=self.precision)
+        logp, _ = completion_logprobs(self.model, batch, temperature=1.0, precision=self.precision, share_prompts=True)
         return masked_sum(logp, batch.completion_mask, dim=-1)
 
     def _options(self, pairs: list[EncodedPair]) -> PairwiseOptions:

@@ -292,6 +292,7 @@ class RLTrainer(EngineLoop):
             dropout=spec.method.lora.dropout > 0,
             trim_memory=True,
         )
+        self.engine.share_prompts = not self.sharded
         self.kl_ctl = KLController(hp.beta)  # PPO's adaptive controller moves it; saved with every checkpoint
         self.engine.extra["kl_coef"] = self.kl_ctl
         if self.critic is not None:

@@ -289,6 +289,7 @@ def generate(
     with_logprobs: bool,
     decoder: StaticDecoder | None = None,
     lockstep: Callable[[bool], bool] | None = None,
+    share_prompts: bool = False,
 ) -> Rollout | tuple[Rollout, Tensor]: ...
 
 
@@ -313,6 +314,7 @@ def generate(
     with_logprobs: bool = False,
     decoder: StaticDecoder | None = None,
     lockstep: Callable[[bool], bool] | None = None,
+    share_prompts: bool = False,
 ) -> Rollout | tuple[Rollout, Tensor]:
     """Sample one completion per prompt row with a KV cache. prompt_ids, prompt_mask [N, P] → :class:`Rollout`.
 
@@ -333,6 +335,9 @@ def generate(
 
     ``lockstep(running)`` (a sharded model's ranks, ``trainer.distributed``) says whether any rank still has a running
     row: the loop goes on, its rows all done, until no rank has one, so that every rank runs the same forwards.
+
+    ``share_prompts``: rows with the same prompt (a group's samples) share its prefill (:func:`distinct_prompts`):
+    each distinct prompt is run once and its keys and values copied to its rows (on either cache).
     """
     device = prompt_ids.device
     n = prompt_ids.shape[0]
@@ -346,16 +351,43 @@ def generate(
     if decoder is not None:  # the whole mask from the start: the prompt's, then a 0 for every position to come
         static, length = decoder.cache(n, p, max_new_tokens)
         mask = torch.cat([mask, mask.new_zeros((n, length - p))], dim=1)
+    from transformers.cache_utils import StaticLayer
+
+    shared = distinct_prompts(model, prompt_ids, prompt_mask) if share_prompts else None
+    if shared is not None and static is not None and any(type(layer) is not StaticLayer for layer in static.layers):
+        shared = None
     with autocast(precision, device):
-        step = model(
-            input_ids=prompt_ids,
-            attention_mask=mask,
-            position_ids=position_ids(prompt_mask),
-            use_cache=True,
-            logits_to_keep=1,
-            **({} if static is None else {"past_key_values": static, "cache_position": torch.arange(p, device=device)}),
-        )
-    past, logits = step.past_key_values, step.logits[:, -1]
+        if shared is not None:
+            first, inverse, past = shared
+            step = model(
+                input_ids=prompt_ids[first],
+                attention_mask=prompt_mask[first],
+                position_ids=position_ids(prompt_mask[first]),
+                past_key_values=past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            if static is None:
+                past.reorder_cache(inverse)
+            else:  # each row's prompt written into the static cache, as a prefill of all rows would have written it
+                for mine, theirs in zip(static.layers, past.layers, strict=True):
+                    mine.update(theirs.keys[inverse], theirs.values[inverse])
+                past = static
+            logits = step.logits[inverse, -1]
+        else:
+            step = model(
+                input_ids=prompt_ids,
+                attention_mask=mask,
+                position_ids=position_ids(prompt_mask),
+                use_cache=True,
+                logits_to_keep=1,
+                **(
+                    {}
+                    if static is None
+                    else {"past_key_values": static, "cache_position": torch.arange(p, device=device)}
+                ),
+            )
+            past, logits = step.past_key_values, step.logits[:, -1]
     pos = position_ids(prompt_mask)[:, -1:]
     logps = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device) if with_logprobs else None
     uniforms = None if row_seeds is None else row_uniforms(row_seeds, max_new_tokens, device)
@@ -424,6 +456,7 @@ def completion_logprobs(
     precision: Precision,
     with_entropy: bool = False,
     with_hidden: Literal[False] = False,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None]: ...
 
 
@@ -436,6 +469,7 @@ def completion_logprobs(
     precision: Precision,
     with_entropy: bool = False,
     with_hidden: Literal[True],
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor]: ...
 
 
@@ -447,32 +481,116 @@ def completion_logprobs(
     precision: Precision,
     with_entropy: bool = False,
     with_hidden: bool = False,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """log π(o_t | q, o_<t) / T-scaled, fp32, for every completion position: [B, C], and the entropy [B, C]
     (no gradient) when asked. Differentiable when called with grad enabled.
 
     ``with_hidden`` also returns the last hidden state that predicts each completion token, [B, C, H] in the
     forward's dtype: position ``t − 1``, the state before token ``t`` is chosen (what a value head on the policy's
-    trunk reads; ``trainer.critic``)."""
-    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
-    mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    trunk reads; ``trainer.critic``).
+
+    ``share_prompts``: rows with the same prompt (a GRPO group's samples) share one forward of it (see
+    :func:`shared_prompt_forward`); the caller asks for it only where every caller of the model in a step may run a
+    different number of forwards (not on a sharded base, whose ranks run theirs in lockstep)."""
     c = batch.completion_ids.shape[1]
-    with autocast(precision, ids.device):
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position_ids(mask),
-            use_cache=False,
-            logits_to_keep=c + 1,
-            output_hidden_states=with_hidden,
-        )
-    # logits[:, t] predicts token t + 1: the last one predicts nothing we kept
+    out = shared_prompt_forward(model, batch, precision=precision, with_hidden=with_hidden) if share_prompts else None
+    if out is not None:
+        logits, hidden = out
+    else:
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+        with autocast(precision, ids.device):
+            whole = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position_ids(mask),
+                use_cache=False,
+                logits_to_keep=c + 1,
+                output_hidden_states=with_hidden,
+            )
+        # logits[:, t] predicts token t + 1: the last one predicts nothing we kept
+        logits = whole.logits[:, :-1]
+        hidden = whole.hidden_states[-1][:, -c - 1 : -1] if with_hidden else None  # the final norm's output
     logp, entropy = completion_logprobs_from_logits(
-        out.logits[:, :-1], batch.completion_ids, temperature=temperature, with_entropy=with_entropy
+        logits, batch.completion_ids, temperature=temperature, with_entropy=with_entropy
     )
     if with_hidden:
-        return logp, entropy, out.hidden_states[-1][:, -c - 1 : -1]  # the final norm's output, as lm_head reads
+        assert hidden is not None
+        return logp, entropy, hidden
     return logp, entropy
+
+
+def shared_prompt_forward(
+    model: torch.nn.Module, batch: Rollout, *, precision: Precision, with_hidden: bool
+) -> tuple[Tensor, Tensor | None] | None:
+    """The logits [B, C, V] that predict the completion tokens (and the final norm's output there, [B, C, H], when
+    ``with_hidden``) with each distinct prompt of the batch run once: a forward of the distinct prompts fills a KV
+    cache, each row takes its prompt's entries, and a forward of the completions attends to them. Causal attention
+    makes the prompt's keys and values independent of what follows, so this is the whole rows' forward with the
+    prompt's FLOPs divided by the rows that share it (a GRPO group: by its size); with the graph, the cache's rows
+    are an index of the prompts' and backward sums their gradients. None (nothing run) when every row has its own
+    prompt, when LoRA's dropout is on (a shared prompt would share its dropout mask across the rows), or when the
+    model's cache is not a full-attention ``DynamicCache`` on every layer (sliding windows, linear attention)."""
+    if model.training:
+        return None
+    shared = distinct_prompts(model, batch.prompt_ids, batch.prompt_mask)
+    if shared is None:
+        return None
+    first, inverse, cache = shared
+    pids, pmask = batch.prompt_ids, batch.prompt_mask
+    mask = torch.cat([pmask, batch.completion_mask[:, :-1]], dim=1)
+    with autocast(precision, pids.device):
+        head = model(
+            input_ids=pids[first],
+            attention_mask=pmask[first],
+            position_ids=position_ids(pmask[first]),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states=with_hidden,
+        )
+        logits, hidden = head.logits[inverse], head.hidden_states[-1][inverse, -1:] if with_hidden else None
+        if batch.completion_ids.shape[1] > 1:  # the last completion token predicts nothing: not run
+            cache.reorder_cache(inverse)
+            tail = model(
+                input_ids=batch.completion_ids[:, :-1],
+                attention_mask=mask,
+                position_ids=position_ids(mask)[:, pids.shape[1] :],
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=with_hidden,
+            )
+            logits = torch.cat([logits, tail.logits], dim=1)
+            if hidden is not None:
+                hidden = torch.cat([hidden, tail.hidden_states[-1]], dim=1)
+    return logits, hidden
+
+
+def distinct_prompts(
+    model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
+) -> tuple[Tensor, Tensor, Any] | None:
+    """The rows of a batch that share a prompt: ``(first, inverse, cache)``, ``first`` [D] a row of each of the D
+    distinct prompts, ``inverse`` [N] each row's prompt among them, ``cache`` an empty ``DynamicCache`` for the
+    prompts' forward (``reorder_cache(inverse)`` then gives each row its prompt's keys and values). None when every
+    row has its own prompt, or when the model's cache is not full attention on every layer (a sliding window or
+    linear attention keeps other state)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    n = prompt_ids.shape[0]
+    if n < 2:
+        return None
+    distinct, inverse = torch.unique(prompt_ids.masked_fill(prompt_mask == 0, -1), dim=0, return_inverse=True)
+    config = getattr(model, "config", None)
+    if len(distinct) == n or config is None or getattr(config, "is_encoder_decoder", False):
+        return None
+    cache = DynamicCache(config=config)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    first = torch.empty(len(distinct), dtype=torch.long, device=prompt_ids.device)
+    first.scatter_(0, inverse, torch.arange(n, device=prompt_ids.device))  # equal prompts: any of their rows
+    return first, inverse, cache
 
 
 def completion_logprobs_from_logits(

@@ -177,13 +177,17 @@ def test_episodes_hold_calls_results_and_answers_and_only_the_policy_tokens_are_
     assert m[M.EPISODE_FORMAT_ERROR_FRAC] == 0.0
 
 
+@pytest.mark.parametrize("share_prompts", [False, True])
 def test_the_loss_gradient_on_tool_output_logits_is_exactly_zero(
-    random_calc_model_dir: Path, calc_data: Path, calculator: str, tmp_path: Path
+    random_calc_model_dir: Path, calc_data: Path, calculator: str, tmp_path: Path, share_prompts: bool
 ) -> None:
+    """With whole rows (one forward: logits[:, j] predicts completion token j) and with each group's prompt run once
+    (its forward gives the logits that predict token 0, the completions' forward those of tokens 1 …)."""
     spec = parse_spec(
         agent_spec(random_calc_model_dir, calc_data, [calculator_server.calculator_tool(calculator)], beta=0.1)
     )
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback(), rollout_engine=scripted())
+    t.engine.share_prompts = share_prompts
     batch = t.collect()
     t.score(batch)
     adv = t.advantages(batch)
@@ -202,15 +206,25 @@ def test_the_loss_gradient_on_tool_output_logits_is_exactly_zero(
         t._micro_batch(batch, adv, idx, scale, first_pass=True)
     finally:
         handle.remove()
-    [logits] = captured
-    grad = logits.grad
-    assert grad is not None
     ro = batch.rollout
     c = ro.completion_ids.shape[1]
-    assert grad.shape[:2] == (len(batch), c + 1)  # logits[:, j] predicts completion token j
+    if share_prompts:
+        prompts, completions = captured  # [distinct prompts, 1, V], then [B, C − 1, V]
+        assert prompts.shape[:2] == (len(set(map(tuple, ro.prompt_ids.tolist()))), 1) < (len(batch), 1)
+        assert prompts.grad is not None and completions.grad is not None
+        assert completions.shape[:2] == (len(batch), c - 1)
+        per_position = torch.cat(
+            [prompts.grad.abs().sum(-1).new_ones(len(batch), 1), completions.grad.abs().sum(-1)], 1
+        )
+    else:
+        [logits] = captured
+        assert logits.grad is not None
+        assert logits.grad.shape[:2] == (len(batch), c + 1)  # logits[:, j] predicts completion token j
+        per_position = logits.grad[:, :c].abs().sum(-1)
+    per_position = per_position.cpu()
     env = (ro.completion_mask.bool() & ~ro.policy_mask.bool()).cpu()
     assert env.any()  # the batch has tool output to test
-    per_position = grad[:, :c].abs().sum(-1).cpu()
+    assert not env[:, 0].any()  # token 0 is the policy's: what the prompts' forward predicts is not at stake
     assert per_position[env].eq(0).all()  # exactly zero, not small
     assert per_position[~ro.completion_mask.bool().cpu()].eq(0).all()
     assert per_position[ro.policy_mask.bool().cpu()].gt(0).any()

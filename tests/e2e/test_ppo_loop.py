@@ -239,6 +239,7 @@ def test_ppo_with_the_passes_shared_trains_as_with_separate_passes(
         t = RLTrainer(parse_spec(raw), output_dir=out, callback=JsonlFiles(out))
         assert t.critic is not None and t.critic.can_fuse and not t.critic.fuses  # joined on CUDA only
         t.critic.fuses = fuses
+        t.engine.share_prompts = False  # the joined passes run whole rows: the separate ones too (same rounding)
         t.run()
         runs.append((deterministic(read_metrics(out)), [p.detach().clone() for p in (*t.params, *t.critic_params)]))
     (m_fused, w_fused), (m_apart, w_apart) = runs

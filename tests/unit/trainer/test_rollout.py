@@ -398,6 +398,102 @@ def test_logprobs_are_differentiable_under_grad(model: LlamaForCausalLM) -> None
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("cache", ["growing", "static"])
+def test_rows_sharing_a_prompt_share_its_prefill_and_sample_what_they_sample_alone(
+    any_model: torch.nn.Module, cache: str
+) -> None:
+    """generate(share_prompts=True), on the growing cache and on a static decoder's: the distinct prompts prefilled
+    once (3 rows, not 7), and each row's seeded samples and their log-probs as without sharing."""
+    model = any_model
+    decoder = StaticDecoder(model, compiled=False) if cache == "static" else None
+    ids, mask = left_pad([PROMPTS[i] for i in (0, 1, 0, 2, 0, 1, 2)], PAD)
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        runs = []
+        for share in (False, True):
+            seen.clear()
+            runs.append(
+                generate(
+                    model,
+                    ids,
+                    mask,
+                    max_new_tokens=5,
+                    eos_id=EOS,
+                    pad_id=PAD,
+                    temperature=1.0,
+                    row_seeds=list(range(7)),
+                    with_logprobs=True,
+                    share_prompts=share,
+                    decoder=decoder,
+                )
+            )
+            assert seen[0] == (3 if share else 7) and set(seen[1:]) == {7}
+    finally:
+        hook.remove()
+    (whole, whole_lp), (shared, shared_lp) = runs
+    for x, y in zip(whole.tensors(), shared.tensors(), strict=True):
+        assert torch.equal(x, y)
+    torch.testing.assert_close(shared_lp, whole_lp, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_sharing_a_prompt_run_it_once_and_score_what_their_whole_rows_do(any_model: torch.nn.Module) -> None:
+    """share_prompts (a GRPO group's rows): one forward of each distinct prompt, one of the completions on its
+    cached keys and values; the log-probs, entropy, hidden states and gradients are the whole rows' forward's."""
+    model = any_model
+    rows = [0, 1, 0, 2, 1, 0]  # three distinct prompts, two of them repeated, completions of 1 to 4 tokens
+    batch = make_rollout([PROMPTS[i] for i in rows], [COMPLETIONS[i % 3] for i in range(len(rows))])
+    lengths = batch.lengths.tolist()
+    seen: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        outs, grads = [], []
+        for share in (False, True):
+            seen.clear()
+            logp, entropy, hidden = completion_logprobs(
+                model,
+                batch,
+                temperature=0.7,
+                precision="fp32",
+                with_entropy=True,
+                with_hidden=True,
+                share_prompts=share,
+            )
+            grads.append(torch.autograd.grad((logp * batch.completion_mask).sum(), list(model.parameters())))
+            outs.append((logp.detach(), entropy, hidden.detach()))
+            assert seen == ([(6, 9)] if not share else [(3, 5), (6, 3)])  # P = 5, C = 4: the last token not run
+        (whole_lp, whole_ent, whole_h), (lp, ent, h) = outs
+        assert valid(lp, lengths) == pytest.approx(valid(whole_lp, lengths), abs=1e-5)
+        assert valid(ent, lengths) == pytest.approx(valid(whole_ent, lengths), abs=1e-5)
+        keep = batch.completion_mask.bool()
+        torch.testing.assert_close(h[keep], whole_h[keep], atol=1e-5, rtol=1e-5)
+        for g_shared, g_whole in zip(grads[1], grads[0], strict=True):
+            torch.testing.assert_close(g_shared, g_whole, atol=1e-5, rtol=1e-4)
+
+        seen.clear()  # one-token completions: the prompts' forward alone
+        ones = make_rollout([PROMPTS[0], PROMPTS[0], PROMPTS[2]], [[22], [23], [24]])
+        with torch.no_grad():
+            lp1, _ = completion_logprobs(model, ones, temperature=1.0, precision="fp32", share_prompts=True)
+            want, _ = completion_logprobs(model, ones, temperature=1.0, precision="fp32")
+        assert seen == [(2, 3), (3, 4)] and lp1.flatten().tolist() == pytest.approx(want.flatten().tolist(), abs=1e-5)
+
+        seen.clear()  # every prompt its own, or dropout on (train mode): the whole rows, one forward
+        with torch.no_grad():
+            completion_logprobs(
+                model, make_rollout(PROMPTS, COMPLETIONS), temperature=1.0, precision="fp32", share_prompts=True
+            )
+            model.train()
+            try:
+                completion_logprobs(model, batch, temperature=1.0, precision="fp32", share_prompts=True)
+            finally:
+                model.eval()
+        assert seen == [(3, 9), (6, 9)]
+    finally:
+        hook.remove()
+
+
 def test_bf16_logprobs_are_fp32_and_close(model: LlamaForCausalLM) -> None:
     batch = make_rollout(PROMPTS, COMPLETIONS)
     with torch.no_grad():
