@@ -26,8 +26,10 @@ Model FLOPs per step (MFU's numerator; padding excluded, attention-score FLOPs l
     reference     2·N·T + 2·H·B·C                            (adapter disabled)
     policy fwd    2·(N + N_L)·T + 2·H·B·C
     backward      2·N·T + 2·H·B·C + 4·N_L·T                  (frozen weights need only input gradients; LoRA both)
-MFU = model FLOPs per step / (seconds per step × the machine's measured matmul rate at that precision), the rate
-measured at startup with a 2048³ matmul (fp32 tensors for fp32, bf16 tensors for bf16).
+MFU = the FLOPs a side runs per step / (seconds per step × the machine's measured matmul rate at that precision), the
+rate measured at startup with a 2048³ matmul (fp32 tensors for fp32, bf16 tensors for bf16). TRL runs the formulas
+above; ours runs each group's prompt once (in the prefill and the three passes: ``trainer.rollout``'s shared prompt
+forward), i.e. the same formulas with p / GROUP in place of p.
 
 Run:  .venv/bin/python bench/grpo_vs_trl.py --model small --precision bf16
 """
@@ -79,11 +81,13 @@ BETA = 0.04
 # -- FLOPs and the machine's matmul rate --------------------------------------------------------------------------
 
 
-def model_flops_per_step(shape: ModelShape, mean_prompt: float) -> dict[str, float]:
-    """Model FLOPs of one step by phase (the formula in the module docstring)."""
-    f = flop_terms(shape, mean_prompt)
+def model_flops_per_step(shape: ModelShape, mean_prompt: float, *, prompts_shared: bool = False) -> dict[str, float]:
+    """Model FLOPs of one step by phase (the formula in the module docstring); ``prompts_shared``: a group's prompt
+    run once (p / GROUP tokens a row)."""
+    p = mean_prompt / GROUP if prompts_shared else mean_prompt
+    f = flop_terms(shape, p)
     return {
-        "generation": f.generation(mean_prompt),
+        "generation": f.generation(p),
         "reference": f.forward(adapter=False),
         "policy_fwd": f.forward(adapter=True),
         "backward": f.backward(),
@@ -361,6 +365,10 @@ def main() -> None:
     mean_prompt = statistics.fmean(prompt_lengths(prompts))
     flops = model_flops_per_step(shape, mean_prompt)
     total_flops = sum(flops.values())
+    run_flops = {
+        "ours": sum(model_flops_per_step(shape, mean_prompt, prompts_shared=True).values()),
+        "trl": total_flops,
+    }
     rate = {d: matmul_gflops(d) for d in ("fp32", "bf16")}
     print(
         f"machine: {torch.get_num_threads()} threads, 2048³ matmul fp32 {rate['fp32']:.0f} GFLOP/s, "
@@ -371,15 +379,15 @@ def main() -> None:
         f" {ROWS} rows × {COMPLETION} new tokens, mean prompt {mean_prompt:.1f} tokens; "
         f"model FLOPs/step {total_flops / 1e9:.1f} G ("
         + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in flops.items())
-        + ")"
+        + f"); ours runs {run_flops['ours'] / 1e9:.1f} G of it (each group's prompt once)"
     )
     load = os.getloadavg()[0]
     if load > 0.5:
         print(f"warning: load average {load:.1f} before the start: other processes share these cores", flush=True)
     runs = run_rounds(a.sides.split(","), a.rounds, lambda side: run_side(side, model_dir, prompts, a))
     summary = summarise(runs)
-    for s in summary.values():
-        s["mfu"] = total_flops / (s["s_per_step"] * rate[a.precision] * 1e9)
+    for side, s in summary.items():
+        s["mfu"] = run_flops[side] / (s["s_per_step"] * rate[a.precision] * 1e9)
     print()
     print(f"{'side':6s} {'s/step':>8s} {'(min–max)':>15s} {'gen tok/s':>10s} {'peak RSS':>10s} {'MFU':>6s}")
     for side, s in summary.items():
