@@ -359,14 +359,7 @@ def generate(
     with autocast(precision, device):
         if shared is not None:
             first, inverse, past = shared
-            step = model(
-                input_ids=prompt_ids[first],
-                attention_mask=prompt_mask[first],
-                position_ids=position_ids(prompt_mask[first]),
-                past_key_values=past,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            step = prompts_forward(model, prompt_ids[first], prompt_mask[first], past)
             if static is None:
                 past.reorder_cache(inverse)
             else:  # each row's prompt written into the static cache, as a prefill of all rows would have written it
@@ -491,8 +484,8 @@ def completion_logprobs(
     trunk reads; ``trainer.critic``).
 
     ``share_prompts``: rows with the same prompt (a GRPO group's samples) share one forward of it (see
-    :func:`shared_prompt_forward`); the caller asks for it only where every caller of the model in a step may run a
-    different number of forwards (not on a sharded base, whose ranks run theirs in lockstep)."""
+    :func:`shared_prompt_forward`), which makes the number of forwards depend on the rows: a caller whose forwards
+    run in lockstep with other ranks' (a sharded base) leaves it off."""
     c = batch.completion_ids.shape[1]
     out = shared_prompt_forward(model, batch, precision=precision, with_hidden=with_hidden) if share_prompts else None
     if out is not None:
@@ -541,15 +534,7 @@ def shared_prompt_forward(
     pids, pmask = batch.prompt_ids, batch.prompt_mask
     mask = torch.cat([pmask, batch.completion_mask[:, :-1]], dim=1)
     with autocast(precision, pids.device):
-        head = model(
-            input_ids=pids[first],
-            attention_mask=pmask[first],
-            position_ids=position_ids(pmask[first]),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            output_hidden_states=with_hidden,
-        )
+        head = prompts_forward(model, pids[first], pmask[first], cache, with_hidden=with_hidden)
         logits, hidden = head.logits[inverse], head.hidden_states[-1][inverse, -1:] if with_hidden else None
         if batch.completion_ids.shape[1] > 1:  # the last completion token predicts nothing: not run
             cache.reorder_cache(inverse)
@@ -591,6 +576,20 @@ def distinct_prompts(
     first = torch.empty(len(distinct), dtype=torch.long, device=prompt_ids.device)
     first.scatter_(0, inverse, torch.arange(n, device=prompt_ids.device))  # equal prompts: any of their rows
     return first, inverse, cache
+
+
+def prompts_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, cache: Any, *, with_hidden: bool = False) -> Any:
+    """The forward of left-padded prompts ``ids`` [D, P] into ``cache``: the model's output, logits of the last
+    position only (what predicts the first new token)."""
+    return model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position_ids(mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        output_hidden_states=with_hidden,
+    )
 
 
 def completion_logprobs_from_logits(
