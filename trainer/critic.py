@@ -37,7 +37,7 @@ from peft import LoraConfig, PeftModel
 from torch import Tensor
 
 from trainer.config import LoraSpec, PPOHyperparameters, SpecError
-from trainer.engine import cat_padded, eager_attention_for_bf16_cpu
+from trainer.engine import cat_padded, cpu_bf16_attention
 from trainer.lora_forward import NO_ADAPTER, adapter_blocks, installed
 from trainer.models import ModelError, Precision, add_lora, autocast, load_base_model, store_frozen_linears_in
 from trainer.rollout import (
@@ -317,7 +317,7 @@ def build_critic(
             )
         if precision == "bf16":
             store_frozen_linears_in(separate, torch.bfloat16)
-        eager_attention_for_bf16_cpu(separate, precision=precision, device=device)
+        cpu_bf16_attention(separate, precision=precision, device=device)
     try:
         return Critic(policy, lora=lora, seed=seed, separate_base=separate, trunk=hp.critic == "policy_trunk")
     except ModelError as err:

@@ -37,6 +37,7 @@ from peft import PeftModel
 from transformers import AutoConfig, PreTrainedModel
 
 from trainer import checkpoint as ckpt
+from trainer.attention import use_grouped_attention
 from trainer.config import Hyperparameters, LoraSpec, SpecError
 from trainer.core_algos import (
     AGGREGATIONS,
@@ -94,21 +95,24 @@ def load_policy(
     model: str, lora: LoraSpec, *, device: torch.device, precision: Precision, seed: int, sampler_copy: bool = False
 ) -> Policy:
     """Base + LoRA in the engine's precision: in bf16 the frozen linear weights are stored in bf16 (bit-identical
-    matmuls under autocast, half the memory), and on a CPU attention is eager (its bf16 SDPA backward is slower)."""
+    matmuls under autocast, half the memory), and on a CPU attention is eager's maths (:func:`cpu_bf16_attention`)."""
     base = load_base_model(model, device)
     base_copy = copy.deepcopy(base) if sampler_copy else None
     if precision == "bf16":
         store_frozen_linears_in(base, torch.bfloat16)
     policy = add_lora(base, lora, seed=seed)
-    eager_attention_for_bf16_cpu(policy, precision=precision, device=device)
+    cpu_bf16_attention(policy, precision=precision, device=device)
     return Policy(policy, base_copy)
 
 
-def eager_attention_for_bf16_cpu(model: torch.nn.Module, *, precision: Precision, device: torch.device) -> None:
-    """The CPU's SDPA backward in bf16 is slower than eager attention (bench/README.md); decoding keeps SDPA."""
+def cpu_bf16_attention(model: torch.nn.Module, *, precision: Precision, device: torch.device) -> None:
+    """The CPU's SDPA in bf16 is slower than eager attention, forward and backward (bench/README.md): a bf16 model on
+    a CPU computes eager attention's maths, grouped (``trainer.attention``: no copies of the key/value heads) where
+    its attention is the standard one, else transformers' own eager attention."""
     if precision == "bf16" and device.type == "cpu":
         base: Any = model.get_base_model() if isinstance(model, PeftModel) else model
-        base.set_attn_implementation("eager")
+        if not use_grouped_attention(base):
+            base.set_attn_implementation("eager")
 
 
 # -- the engine ------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer import lora_forward
+from trainer.attention import use_grouped_attention
 from trainer.config import LoraSpec
 
 Precision = Literal["fp32", "bf16"]
@@ -175,6 +176,7 @@ class MergedSampler:
         from peft.tuners.lora.layer import Linear as LoraLinear
 
         self.model = base_copy.to(dtype).eval().requires_grad_(False)
+        use_grouped_attention(self.model)  # on a CPU: bf16 SDPA's decode step is several times slower
         targets = dict(self.model.named_modules())
         self.pairs: list[tuple[torch.nn.Linear, LoraLinear]] = []
         for name, module in policy.named_modules():

@@ -31,7 +31,7 @@ from trainer.core_algos import PAIRWISE_LOSSES, PairwiseOptions, masked_sum
 from trainer.data import DatasetError, load_preferences
 from trainer.distributed import World
 from trainer.encoding import EncodedPair, PromptSampler, completion_batch, encode_preferences
-from trainer.engine import Engine, ParamGroup, check_context, eager_attention_for_bf16_cpu, load_policy, seed_everything
+from trainer.engine import Engine, ParamGroup, check_context, cpu_bf16_attention, load_policy, seed_everything
 from trainer.models import (
     Precision,
     default_device,
@@ -90,7 +90,7 @@ class PreferenceTrainer(EngineLoop):
                 device=self.device,
                 frozen_dtype=torch.bfloat16 if self.precision == "bf16" else None,
             )
-            eager_attention_for_bf16_cpu(self.model, precision=self.precision, device=self.device)
+            cpu_bf16_attention(self.model, precision=self.precision, device=self.device)
         else:
             self.model = load_policy(
                 spec.model, spec.method.lora, device=self.device, precision=self.precision, seed=spec.seed
