@@ -4,7 +4,9 @@ tokens): the choices behind the trainer's defaults, each pair alternating in one
 
 - ``lora``: a policy's forward with the graph, its backward, and a no-grad forward, with PEFT's LoRA linear
   forward against ours (``trainer/lora_forward.py``), and the largest log-prob difference between them;
-- ``attention``: the same passes with eager attention against SDPA (the bf16 training passes run eager on a CPU);
+- ``attention``: the same passes with eager attention, grouped attention (``trainer/attention.py``: eager's maths
+  without copying the key/value heads) and SDPA (the bf16 training passes on a CPU run grouped where they can, else
+  eager);
 - ``critic``: PPO's adapter critic, its passes apart against joined to the policy's (the update's forward and
   backward, and the rollout's no-grad passes: old, reference, V).
 
@@ -122,8 +124,14 @@ def main() -> None:
 
             return setup
 
-        res = alternate(passes("eager", impl("eager")) | passes("sdpa", impl("sdpa")), a.reps)
-        cfg._attn_implementation = "eager" if prec == "bf16" else "sdpa"
+        from trainer.attention import GROUPED, use_grouped_attention
+
+        trainers = cfg._attn_implementation  # what the trainer chose (trainer.engine.cpu_bf16_attention)
+        use_grouped_attention(model.get_base_model())  # registers it (and switches to it where it can)
+        res = alternate(
+            passes("eager", impl("eager")) | passes("grouped", impl(GROUPED)) | passes("sdpa", impl("sdpa")), a.reps
+        )
+        cfg._attn_implementation = trainers
         print("attention: " + ", ".join(f"{k} {v:.3f} s" for k, v in res.items()), flush=True)
     if "critic" in only:
         install(model)  # the trainer's forward on every layer again, whatever the lora comparison left
