@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor
-from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
 
 from trainer.attention import GROUPED, _grouped_op, grouped_scores_softmax_values, use_grouped_attention
 from trainer.rollout import StaticDecoder, generate, left_pad
@@ -54,45 +54,20 @@ def test_grouped_attention_is_each_query_head_against_its_kv_head(heads: int, kv
     torch.library.opcheck(_grouped_op, (q, k, v, mask, 0.3))
 
 
-def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-        initializer_range=0.2,
-    )
-    return LlamaForCausalLM(config)
-
-
-def _gpt2() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0, eos_token_id=1)
-    return GPT2LMHeadModel(config)
-
-
-@pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])
-def test_a_switched_model_gives_eager_attentions_outputs_and_gradients(build: Any) -> None:
+def test_a_switched_model_gives_eager_attentions_outputs_and_gradients(any_model: torch.nn.Module) -> None:
     """In train mode, GPT-2's dropout included (the attention weights' among them): the same seed, the same masks."""
-    eager = build()
+    eager = copy.deepcopy(any_model)
     eager.set_attn_implementation("eager")
     grouped = copy.deepcopy(eager)
     assert use_grouped_attention(grouped) and grouped.config._attn_implementation == GROUPED
     ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12], [13]], 0)
     outs = []
-    for model in (eager, grouped):
-        model.train()
+    for m in (eager, grouped):
+        m.train()
         torch.manual_seed(1)
-        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits = m(input_ids=ids, attention_mask=mask).logits
         (logits[mask.bool()].log_softmax(-1)[:, 3]).sum().backward()
-        outs.append((logits[mask.bool()], {n: p.grad for n, p in model.named_parameters()}))
+        outs.append((logits[mask.bool()], {n: p.grad for n, p in m.named_parameters()}))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=1e-5)
     for name, grad in outs[0][1].items():
         torch.testing.assert_close(outs[1][1][name], grad, rtol=1e-4, atol=1e-5)
@@ -109,18 +84,20 @@ def test_a_model_whose_eager_attention_is_not_the_standard_one_is_left_as_it_is(
         num_key_value_heads=1,
         head_dim=16,
     )
-    model = Gemma2ForCausalLM(config)
-    before = model.config._attn_implementation
-    assert not use_grouped_attention(model)
-    assert model.config._attn_implementation == before
+    gemma = Gemma2ForCausalLM(config)
+    before = gemma.config._attn_implementation
+    assert not use_grouped_attention(gemma)
+    assert gemma.config._attn_implementation == before
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_the_decode_step_on_grouped_attention_samples_what_sdpa_samples(compiled: bool) -> None:
+def test_the_decode_step_on_grouped_attention_samples_what_sdpa_samples(
+    model: LlamaForCausalLM, compiled: bool
+) -> None:
     """A static-cache decoder on a grouped-attention copy (compiled: every attention layer of every decode step is
     one call of the custom op, not code inductor fused) samples the tokens the SDPA model samples on a growing
     cache, with log-probs within float rounding."""
-    sdpa = _llama().eval()
+    sdpa = copy.deepcopy(model).eval()
     sdpa.set_attn_implementation("sdpa")
     grouped = copy.deepcopy(sdpa)
     assert use_grouped_attention(grouped)
