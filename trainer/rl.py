@@ -149,9 +149,6 @@ class RLTrainer(EngineLoop):
         # With one pass over one mini-batch the policy that sampled is the policy being updated: old = logp.detach()
         # makes ρ ≡ 1 exactly (as TRL does) instead of relying on two forward passes agreeing bit for bit.
         self.on_policy = hp.iterations_per_batch == 1 and hp.mini_batches == 1
-        # On-policy PPO: the update's forward also scores the rollout (old log-probs, V_old) where it can
-        # (:meth:`_scores_from_update`); off: the scoring passes run apart, before the update (what tests compare)
-        self.score_in_update = True
         self.sampling = SamplingParams(hp.max_completion_tokens, hp.temperature, hp.top_p, hp.min_completion_tokens)
 
     def _load_data(self) -> None:
@@ -354,10 +351,7 @@ class RLTrainer(EngineLoop):
         batch = self.collect()
         m: dict[str, float] = {}
         adv = Advantages(torch.zeros(0), None)
-        if len(batch) and self._scores_from_update(batch):
-            adv, update = self.score_and_optimise(step, batch)
-            m |= adv.metrics | update
-        elif len(batch):
+        if len(batch):
             self.score(batch)
             adv = self.advantages(batch)
             m |= adv.metrics | self.optimise(step, batch, adv)
@@ -560,58 +554,6 @@ class RLTrainer(EngineLoop):
             seq_kl = masked_sum(self.kl(batch.old_logp, batch.ref_logp), pmask, dim=-1)
             batch.samples.rewards = batch.samples.rewards - hp.beta * seq_kl.cpu()
 
-    def _scores_from_update(self, batch: Batch) -> bool:
-        """Whether the update's first forward can score the rollout: PPO over one mini-batch (the first pass's
-        forward runs the policy and the critic that sampled and will score the rollout, unchanged), the batch in one
-        micro-batch on one rank, LoRA without dropout (that forward is then the scoring passes' computation). The old
-        log-probs and V_old are that forward's, detached: no scoring pass of the policy or the critic runs (in the
-        first pass ρ ≡ 1 and V ≡ V_old, as with ``on_policy``'s ``logp.detach()``; later passes, μ > 1, read them as
-        they would the scoring passes'). Both graphs are held together until the one backward: the peak holds the
-        critic's activations with the policy's."""
-        mbs = self.hp.micro_batch_size
-        return (
-            self.score_in_update
-            and self.critic is not None
-            and self.hp.mini_batches == 1
-            and self.world.size == 1
-            and (mbs is None or mbs >= len(batch))
-            and not self.engine.dropout
-        )
-
-    def score_and_optimise(self, step: int, batch: Batch) -> tuple[Advantages, dict[str, float]]:
-        """:meth:`score`, :meth:`advantages` and :meth:`optimise` where the update's first forward scores the
-        rollout (:meth:`_scores_from_update`): the reference pass, one forward of the policy and the critic with
-        their graphs, whose detached log-probs and values are the old ones the rewards, GAE and the loss read, then
-        the update, its first pass on that forward."""
-        hp, ro = self.hp, batch.rollout
-        if hp.beta > 0:
-            batch.ref_logp = self.engine.logprobs(
-                ro, temperature=hp.temperature, micro_batch_size=hp.micro_batch_size, reference=True
-            )
-        passes = self._update_forward(ro, with_entropy=True)
-        batch.old_logp, batch.values = passes[0].detach(), passes[2].detach()
-        batch.token_rewards = self._token_rewards(batch)
-        adv = self.advantages(batch)
-        return adv, self.optimise(step, batch, adv, first=passes)
-
-    def _update_forward(self, part: Rollout, *, with_entropy: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-        """The update's forward of a critic's rows, with the graphs: log-probs, entropy (when asked) and V."""
-        critic, hp = self.critic, self.hp
-        assert critic is not None
-        if critic.fuses:  # the policy's and the critic's forward as one
-            return self.engine.run_forward(
-                critic.forward_with_policy,
-                part,
-                temperature=hp.temperature,
-                precision=self.precision,
-                with_entropy=with_entropy,
-            )
-        logp, ent, hidden = self.engine.forward(
-            part, temperature=hp.temperature, with_entropy=with_entropy, with_hidden=self.trunk
-        )
-        v = critic.head_values(hidden) if hidden is not None else critic.values(part, precision=self.precision)
-        return logp, ent, v
-
     def _score_fused(self, batch: Batch, *, policy: bool, reference: bool) -> None:
         """The old (``policy``) and reference (``reference``) log-probs and V_old of an adapter critic: one pass."""
         assert self.critic is not None
@@ -709,13 +651,10 @@ class RLTrainer(EngineLoop):
 
     # -- optimise --------------------------------------------------------------------------------------------------
 
-    def optimise(
-        self, step: int, batch: Batch, adv: Advantages, *, first: tuple[Tensor, Tensor | None, Tensor] | None = None
-    ) -> dict[str, float]:
+    def optimise(self, step: int, batch: Batch, adv: Advantages) -> dict[str, float]:
         """μ passes over the batch, each in ``mini_batches`` mini-batches (a fixed count: a short batch after dynamic
         sampling gives smaller mini-batches, and a batch of fewer rows than mini-batches one row each); each
-        mini-batch is one optimiser step over micro-batches normalised by the mini-batch's totals. ``first``: the
-        first pass's forward of the whole batch, already run (:meth:`score_and_optimise`)."""
+        mini-batch is one optimiser step over micro-batches normalised by the mini-batch's totals."""
         hp, n = self.hp, len(batch)
         order = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + step)  # derived: nothing to save
         sums = Sums()
@@ -730,8 +669,7 @@ class RLTrainer(EngineLoop):
                 if self.sharded:  # lockstep: padding rows (index -1) train nothing but run the passes
                     mine = torch.cat([mine, mine.new_full((self._largest_share(len(mb)) - len(mine),), -1)])
                 for sl in micro_slices(len(mine), hp.micro_batch_size):
-                    passes = first if it == 0 else None
-                    sums.add(self._micro_batch(batch, adv, mine[sl], scale, first_pass=it == 0, passes=passes))
+                    sums.add(self._micro_batch(batch, adv, mine[sl], scale, first_pass=it == 0))
                 self.sync_gradients()
                 norms = self.engine.optim_step()
                 sums.grad_norm += norms[0]
@@ -742,28 +680,22 @@ class RLTrainer(EngineLoop):
                 setattr(sums, f, v)
         return self._update_metrics(batch, adv, sums, train_s=time.perf_counter() - t0)
 
-    def _micro_batch(
-        self,
-        batch: Batch,
-        adv: Advantages,
-        idx: Tensor,
-        scale: LossScale,
-        *,
-        first_pass: bool,
-        passes: tuple[Tensor, Tensor | None, Tensor] | None = None,
-    ) -> Sums:
-        """One micro-batch's loss (policy, KL in the loss, value), backpropagated; its sums for the metrics.
-        ``passes``: the update's forward already run on these rows (:meth:`score_and_optimise`)."""
+    def _micro_batch(self, batch: Batch, adv: Advantages, idx: Tensor, scale: LossScale, *, first_pass: bool) -> Sums:
+        """One micro-batch's loss (policy, KL in the loss, value), backpropagated; its sums for the metrics."""
         hp = self.hp
         live = idx >= 0  # a sharded run's padding rows are -1 (their mask is 0: no loss, no metrics)
         idx = idx.clamp(min=0)
         part = batch.rollout.select(idx.to(self.device))
         mask = batch.loss_mask[idx] * live.unsqueeze(-1).to(batch.loss_mask.device)
         v = hidden = None
-        if passes is not None:
-            logp, ent, v = passes
-        elif self.critic is not None and self.critic.fuses:  # the policy's and the critic's forward as one
-            logp, ent, v = self._update_forward(part, with_entropy=first_pass)
+        if self.critic is not None and self.critic.fuses:  # the policy's and the critic's forward as one
+            logp, ent, v = self.engine.run_forward(
+                self.critic.forward_with_policy,
+                part,
+                temperature=hp.temperature,
+                precision=self.precision,
+                with_entropy=first_pass,
+            )
         else:
             logp, ent, hidden = self.engine.forward(
                 part, temperature=hp.temperature, with_entropy=first_pass, with_hidden=self.trunk
