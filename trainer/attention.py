@@ -104,8 +104,8 @@ def standard_eager_attention(model: torch.nn.Module) -> bool:
 
 
 def use_grouped_attention(model: torch.nn.Module) -> bool:
-    """Switch a sampling model (eval mode, no gradients) on a CPU to :func:`grouped_attention` where its attention is
-    the standard one; returns whether it did."""
+    """Switch a model on a CPU (the bf16 sampler, the bf16 training passes) to :func:`grouped_attention` where its
+    attention is the standard one; returns whether it did."""
     if next(model.parameters()).device.type != "cpu" or not standard_eager_attention(model):
         return False
     _register()
