@@ -85,6 +85,7 @@ from trainer.rl_batch import (
     Parts,
     Samples,
     Sums,
+    UpdateForward,
     batch_metrics,
     rollout_records,
 )
@@ -149,6 +150,9 @@ class RLTrainer(EngineLoop):
         # With one pass over one mini-batch the policy that sampled is the policy being updated: old = logp.detach()
         # makes ρ ≡ 1 exactly (as TRL does) instead of relying on two forward passes agreeing bit for bit.
         self.on_policy = hp.iterations_per_batch == 1 and hp.mini_batches == 1
+        # The update's first forward gives the old log-probs where it can (:meth:`_old_from_update`); off: the
+        # policy's scoring pass runs apart, before the update (what tests compare against)
+        self.old_from_update = True
         self.sampling = SamplingParams(hp.max_completion_tokens, hp.temperature, hp.top_p, hp.min_completion_tokens)
 
     def _load_data(self) -> None:
@@ -352,9 +356,9 @@ class RLTrainer(EngineLoop):
         m: dict[str, float] = {}
         adv = Advantages(torch.zeros(0), None)
         if len(batch):
-            self.score(batch)
+            first = self.score(batch)
             adv = self.advantages(batch)
-            m |= adv.metrics | self.optimise(step, batch, adv)
+            m |= adv.metrics | self.optimise(step, batch, adv, first=first)
         self.engine.lr_step()
         m |= batch_metrics(
             batch,
@@ -511,8 +515,10 @@ class RLTrainer(EngineLoop):
 
     # -- score -----------------------------------------------------------------------------------------------------
 
-    def score(self, batch: Batch) -> None:
-        """The log-probs and values the update needs; the KL into the reward where the recipe puts it."""
+    def score(self, batch: Batch) -> UpdateForward | None:
+        """The log-probs and values the update needs; the KL into the reward where the recipe puts it. Where the
+        update's first forward can score the rollout (:meth:`_old_from_update`) that forward runs here, with its
+        graph, and is returned for :meth:`optimise`: the old log-probs (and a trunk's V_old) are its, detached."""
         hp, ro = self.hp, batch.rollout
         pmask = ro.policy_mask
         kl_in_reward = self.recipe.kl_placement == "reward" and hp.beta > 0
@@ -521,11 +527,30 @@ class RLTrainer(EngineLoop):
         sampling_logp = batch.samples.sampling_logp if self.rollout_engine.exact_logprobs else None
         if needs_old and sampling_logp is not None and not self.trunk:
             batch.old_logp = sampling_logp.to(self.device) * pmask  # exact: no policy pass
+        deferred = needs_old and batch.old_logp is None and self._old_from_update(batch)
+        first = None
         if critic is not None and critic.fuses:  # policy, reference and critic in one pass over the shared base
-            self._score_fused(batch, policy=needs_old and batch.old_logp is None, reference=hp.beta > 0)
+            policy_pass = needs_old and batch.old_logp is None and not deferred
+            self._score_fused(batch, policy=policy_pass, reference=hp.beta > 0)
+            if deferred:
+                first = self._first_forward(batch)
             batch.token_rewards = self._token_rewards(batch)
-            return
-        if critic is not None and self.trunk:  # the policy's pass yields V_old too: no critic pass
+            return first
+        if deferred:  # after the other scoring passes: their activations are gone when this graph is built
+            if hp.beta > 0:
+                (batch.ref_logp,) = self._by_rank(
+                    ro,
+                    lambda part: (
+                        self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs, reference=True),
+                    ),
+                )
+            if critic is not None and not self.trunk:
+                batch.values = critic.rollout_values(ro, precision=self.precision, micro_batch_size=mbs)
+            first = self._first_forward(batch)
+            if critic is not None and self.trunk:
+                assert first.values is not None
+                batch.values = first.values.detach()
+        elif critic is not None and self.trunk:  # the policy's pass yields V_old too: no critic pass
             batch.old_logp, batch.values = self._by_rank(
                 ro,
                 lambda part: critic.rollout_logprobs_and_values(
@@ -536,7 +561,7 @@ class RLTrainer(EngineLoop):
             (batch.old_logp,) = self._by_rank(
                 ro, lambda part: (self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs),)
             )
-        if hp.beta > 0:
+        if hp.beta > 0 and not deferred:
             (batch.ref_logp,) = self._by_rank(
                 ro,
                 lambda part: (
@@ -544,7 +569,7 @@ class RLTrainer(EngineLoop):
                 ),
             )
         if critic is not None:
-            if not self.trunk:
+            if not self.trunk and not deferred:
                 (batch.values,) = self._by_rank(
                     ro, lambda part: (critic.rollout_values(part, precision=self.precision, micro_batch_size=mbs),)
                 )
@@ -553,6 +578,50 @@ class RLTrainer(EngineLoop):
             assert batch.old_logp is not None and batch.ref_logp is not None
             seq_kl = masked_sum(self.kl(batch.old_logp, batch.ref_logp), pmask, dim=-1)
             batch.samples.rewards = batch.samples.rewards - hp.beta * seq_kl.cpu()
+        return first
+
+    def _old_from_update(self, batch: Batch) -> bool:
+        """Whether the update's first forward can give the old log-probs: its first mini-batch is the whole batch
+        (``mini_batches`` 1), in one micro-batch on one rank, and LoRA has no dropout. That forward runs the policy
+        that sampled, unchanged (no optimiser step precedes it), on the scoring pass's computation, so its log-probs,
+        detached, are the old ones: the policy's no-grad scoring pass need not run. Its graph is held from the
+        scoring to the first backward, while the rewards and advantages are computed; the other scoring passes (the
+        reference, a critic's V_old) run before it, so the peak is the update's own."""
+        mbs = self.hp.micro_batch_size
+        return (
+            self.old_from_update
+            and self.hp.mini_batches == 1
+            and self.world.size == 1
+            and (mbs is None or mbs >= len(batch))
+            and not self.engine.dropout
+        )
+
+    def _first_forward(self, batch: Batch) -> UpdateForward:
+        """The update's first forward over the whole batch, with its graph; the old log-probs are its, detached."""
+        first = self._policy_forward(batch.rollout, with_entropy=True)
+        batch.old_logp = first.logp.detach()
+        return first
+
+    def _policy_forward(self, part: Rollout, *, with_entropy: bool) -> UpdateForward:
+        """The update's forward of ``part``: the policy's log-probs with the graph, the entropy when asked, and V
+        with the graph where it comes with the policy's forward (a fused critic's pass, a trunk's head)."""
+        hp, critic = self.hp, self.critic
+        if critic is not None and critic.fuses:  # the policy's and the critic's forward as one
+            logp, ent, v = self.engine.run_forward(
+                critic.forward_with_policy,
+                part,
+                temperature=hp.temperature,
+                precision=self.precision,
+                with_entropy=with_entropy,
+            )
+            return UpdateForward(logp, ent, v)
+        logp, ent, hidden = self.engine.forward(
+            part, temperature=hp.temperature, with_entropy=with_entropy, with_hidden=self.trunk
+        )
+        if hidden is not None:  # the policy's trunk: its V joins the policy's loss (TRL's shared model)
+            assert critic is not None
+            return UpdateForward(logp, ent, critic.head_values(hidden))
+        return UpdateForward(logp, ent, None)
 
     def _score_fused(self, batch: Batch, *, policy: bool, reference: bool) -> None:
         """The old (``policy``) and reference (``reference``) log-probs and V_old of an adapter critic: one pass."""
@@ -651,10 +720,13 @@ class RLTrainer(EngineLoop):
 
     # -- optimise --------------------------------------------------------------------------------------------------
 
-    def optimise(self, step: int, batch: Batch, adv: Advantages) -> dict[str, float]:
+    def optimise(
+        self, step: int, batch: Batch, adv: Advantages, *, first: UpdateForward | None = None
+    ) -> dict[str, float]:
         """μ passes over the batch, each in ``mini_batches`` mini-batches (a fixed count: a short batch after dynamic
         sampling gives smaller mini-batches, and a batch of fewer rows than mini-batches one row each); each
-        mini-batch is one optimiser step over micro-batches normalised by the mini-batch's totals."""
+        mini-batch is one optimiser step over micro-batches normalised by the mini-batch's totals. ``first``: the
+        first pass's forward of the whole batch (one mini-batch, one micro-batch), already run by :meth:`score`."""
         hp, n = self.hp, len(batch)
         order = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + step)  # derived: nothing to save
         sums = Sums()
@@ -669,7 +741,8 @@ class RLTrainer(EngineLoop):
                 if self.sharded:  # lockstep: padding rows (index -1) train nothing but run the passes
                     mine = torch.cat([mine, mine.new_full((self._largest_share(len(mb)) - len(mine),), -1)])
                 for sl in micro_slices(len(mine), hp.micro_batch_size):
-                    sums.add(self._micro_batch(batch, adv, mine[sl], scale, first_pass=it == 0))
+                    passes = first if it == 0 else None
+                    sums.add(self._micro_batch(batch, adv, mine[sl], scale, first_pass=it == 0, passes=passes))
                 self.sync_gradients()
                 norms = self.engine.optim_step()
                 sums.grad_norm += norms[0]
@@ -680,26 +753,26 @@ class RLTrainer(EngineLoop):
                 setattr(sums, f, v)
         return self._update_metrics(batch, adv, sums, train_s=time.perf_counter() - t0)
 
-    def _micro_batch(self, batch: Batch, adv: Advantages, idx: Tensor, scale: LossScale, *, first_pass: bool) -> Sums:
-        """One micro-batch's loss (policy, KL in the loss, value), backpropagated; its sums for the metrics."""
+    def _micro_batch(
+        self,
+        batch: Batch,
+        adv: Advantages,
+        idx: Tensor,
+        scale: LossScale,
+        *,
+        first_pass: bool,
+        passes: UpdateForward | None = None,
+    ) -> Sums:
+        """One micro-batch's loss (policy, KL in the loss, value), backpropagated; its sums for the metrics.
+        ``passes``: the forward of these rows, already run (:meth:`score`'s of the whole batch)."""
         hp = self.hp
         live = idx >= 0  # a sharded run's padding rows are -1 (their mask is 0: no loss, no metrics)
         idx = idx.clamp(min=0)
         part = batch.rollout.select(idx.to(self.device))
         mask = batch.loss_mask[idx] * live.unsqueeze(-1).to(batch.loss_mask.device)
-        v = hidden = None
-        if self.critic is not None and self.critic.fuses:  # the policy's and the critic's forward as one
-            logp, ent, v = self.engine.run_forward(
-                self.critic.forward_with_policy,
-                part,
-                temperature=hp.temperature,
-                precision=self.precision,
-                with_entropy=first_pass,
-            )
-        else:
-            logp, ent, hidden = self.engine.forward(
-                part, temperature=hp.temperature, with_entropy=first_pass, with_hidden=self.trunk
-            )
+        if passes is not None:
+            assert passes.logp.shape[0] == len(idx), "the forward already run is of these rows"
+        logp, ent, v = passes if passes is not None else self._policy_forward(part, with_entropy=first_pass)
         assert self.on_policy or batch.old_logp is not None
         old = logp.detach() if self.on_policy else batch.old_logp[idx]  # type: ignore[index]
         out = self.policy_loss(logp, old, adv.per_row[idx], mask, self.clip)
@@ -718,9 +791,7 @@ class RLTrainer(EngineLoop):
         else:
             assert isinstance(hp, PPOHyperparameters)
             assert batch.values is not None and adv.returns is not None
-            if hidden is not None:  # the policy's trunk: its V joins this loss (TRL's shared model)
-                v = self.critic.head_values(hidden)
-            elif v is None:  # the critic's own graph: the policy's is backpropagated (and freed) first
+            if v is None:  # the critic's own graph: the policy's is backpropagated (and freed) first
                 self.engine.backward(loss)
                 loss = loss.detach()
                 v = self.critic.values(part, precision=self.precision)

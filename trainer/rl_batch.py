@@ -6,7 +6,7 @@ the metrics and rollout records read from a batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -172,6 +172,15 @@ class Advantages:
     per_row: Tensor  # [N] or [N, C] on the training device
     returns: Tensor | None  # [N, C] the critic's targets
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+class UpdateForward(NamedTuple):
+    """The update's forward of some rows: the policy's log-probs [B, C] with the graph, their entropy [B, C] (no
+    graph) when asked, and V [B, C] with the graph where it comes with the policy's pass (a fused or trunk critic)."""
+
+    logp: Tensor
+    entropy: Tensor | None
+    values: Tensor | None
 
 
 def batch_metrics(

@@ -252,6 +252,111 @@ def test_ppo_with_the_passes_shared_trains_as_with_separate_passes(
         assert float((a - b).norm()) <= 1e-3 * max(float(b.norm()), 1e-6)
 
 
+def count_scoring_passes(t: RLTrainer) -> dict[str, int]:
+    """Counts of the rollout's scoring passes ``t`` runs from now on, by what they score: the policy's and the
+    reference's log-probs, a critic's V_old (a pass that scores several counts for each)."""
+    calls = {"policy": 0, "reference": 0, "critic": 0}
+    logprobs = t.engine.logprobs
+
+    def counted_logprobs(*a: Any, reference: bool = False, **kw: Any) -> Any:
+        calls["reference" if reference else "policy"] += 1
+        return logprobs(*a, reference=reference, **kw)
+
+    t.engine.logprobs = counted_logprobs  # type: ignore[method-assign]
+    if t.critic is None:
+        return calls
+    critic = t.critic
+    values, both, fused = critic.rollout_values, critic.rollout_logprobs_and_values, critic.rollout_scores
+
+    def counted_values(*a: Any, **kw: Any) -> Any:
+        calls["critic"] += 1
+        return values(*a, **kw)
+
+    def counted_both(*a: Any, **kw: Any) -> Any:
+        calls["policy"] += 1
+        calls["critic"] += 1
+        return both(*a, **kw)
+
+    def counted_fused(*a: Any, policy: bool, reference: bool, **kw: Any) -> Any:
+        calls["policy"] += policy
+        calls["reference"] += reference
+        calls["critic"] += 1
+        return fused(*a, policy=policy, reference=reference, **kw)
+
+    critic.rollout_values = counted_values  # type: ignore[method-assign]
+    critic.rollout_logprobs_and_values = counted_both  # type: ignore[method-assign]
+    critic.rollout_scores = counted_fused  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("method", "critic", "iterations"),
+    [
+        ("ppo", "adapter", 1),
+        ("ppo", "adapter", 2),
+        ("ppo", "fused", 2),
+        ("ppo", "policy_trunk", 1),
+        ("rloo", None, 1),
+        ("grpo", None, 2),
+    ],
+)
+def test_old_logprobs_from_the_updates_first_forward_train_as_a_scoring_pass(
+    random_model_dir: Path,
+    arithmetic_data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
+    critic: str | None,
+    iterations: int,
+) -> None:
+    """Over one mini-batch in one micro-batch the update's first forward gives the old log-probs (a trunk's V_old
+    too): no scoring pass of the policy runs, the reference's and an adapter critic's still do. Three steps train
+    the metrics and adapters of a run whose policy scores the rollout first, to float rounding: PPO with μ = 1 (the
+    KL in the reward needs the old log-probs) and μ = 2 with the adaptive β, with the critic's passes apart, joined
+    to the policy's and on its trunk; RLOO's KL in the reward; GRPO's μ = 2 ratio."""
+    from trainer.generation import HFRolloutEngine
+
+    # the fp32 sampler's log-probs are the trainer's and would be the old ones: off, as a bf16 sampler's are
+    monkeypatch.setattr(HFRolloutEngine, "exact_logprobs", property(lambda self: False))
+    hp: dict[str, Any] = {"max_steps": 3, "iterations_per_batch": iterations}
+    if method == "ppo":
+        raw = ppo_spec(random_model_dir, arithmetic_data, target_kl=0.01, kl_horizon=50, **hp)
+        if critic == "policy_trunk":
+            raw["method"]["ppo"]["hyperparameters"]["critic"] = critic
+    else:
+        raw = make_spec(random_model_dir, arithmetic_data, method, beta=0.05, **hp)
+    runs = []
+    for from_update in (True, False):
+        out = tmp_path / str(from_update)
+        t = RLTrainer(parse_spec(raw), output_dir=out, callback=JsonlFiles(out))
+        assert not t.rollout_engine.exact_logprobs
+        if critic == "fused":
+            assert t.critic is not None and t.critic.can_fuse
+            t.critic.fuses = True
+        t.old_from_update = from_update
+        t.engine.share_prompts = False  # the scoring passes and the update's forward round alike
+        calls = count_scoring_passes(t)
+        t.run()
+        policy = 0 if from_update else 3
+        expected = {
+            "policy": policy,
+            "reference": 3,
+            "critic": {"adapter": 3, "fused": 3, "policy_trunk": policy, None: 0}[critic],
+        }
+        assert calls == expected
+        runs.append((deterministic(read_metrics(out)), [p.detach().clone() for p in (*t.params, *t.critic_params)]))
+    (m_in, w_in), (m_apart, w_apart) = runs
+    assert len(m_in) == len(m_apart) == 4  # the validation before step 1, then the 3 steps
+    for a, b in zip(m_in, m_apart, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            # μ = 2: a clipping decision at its threshold in the second pass may flip with the first pass's rounding
+            tolerance = 0.012 if k.endswith("clip_frac") and iterations > 1 else 1e-5
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=tolerance), k
+    for a, b in zip(w_in, w_apart, strict=True):
+        assert float((a - b).norm()) <= 1e-3 * max(float(b.norm()), 1e-6)
+
+
 def test_critic_fits_per_token_targets_through_its_adapter_and_head(
     random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
