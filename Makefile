@@ -27,8 +27,13 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/proxima demo
 
+# Two pytest-xdist workers, whole test files each (module fixtures stay in one process), one torch thread each: the
+# suite's tests wait on servers, workers and browsers about as much as they compute, and two at once keep two cores
+# busy without oversubscribing them. TEST_WORKERS=0 runs it in one process (still one thread).
+TEST_WORKERS ?= 2
+
 test: $(STAMP) system-tools
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 system-tools: $(SYSTEM_TOOLS)
 

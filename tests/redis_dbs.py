@@ -1,14 +1,31 @@
 """Redis databases for the tests' brokers: every live deployment of this pytest process gets one that no other live
 deployment uses (two deployments on one database take each other's messages: a worker of one consumes, and drops,
-the jobs of the other), least recently used first, emptied before it is handed out."""
+the jobs of the other), least recently used first, emptied before it is handed out. Under pytest-xdist each worker
+process draws from a share of its own."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 
 REDIS = "redis://127.0.0.1:6379"
-DATABASES = (*range(1, 13), 15)  # 0 is a developer's; 13 and 14 belong to bench/
+ALL_DATABASES = (*range(1, 13), 15)  # 0 is a developer's; 13 and 14 belong to bench/
+
+
+def _share(databases: tuple[int, ...]) -> tuple[int, ...]:
+    """This process's share of ``databases``: all of them, or under pytest-xdist worker ``gwK`` of N every N-th from
+    the K-th (workers are processes of their own: no two share a database)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count:
+        return databases
+    k, n = int(worker.removeprefix("gw")), int(count)
+    if n > len(databases):
+        raise RuntimeError(f"{n} pytest-xdist workers: more than the {len(databases)} test Redis databases")
+    return databases[k::n]
+
+
+DATABASES = _share(ALL_DATABASES)
 _lock = threading.Lock()
 _live: set[int] = set()
 _released: dict[int, int] = {}  # database → the order it was last given back in
