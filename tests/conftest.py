@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests import built_models
-from tests.built_models import MODELS
+REPO = Path(__file__).resolve().parent.parent
+# Built models are cached between local runs (the folder is git-ignored); CI builds them once per run.
+MODEL_CACHE = Path(os.environ.get("PROXIMA_TEST_MODELS", REPO / ".cache" / "models"))
+
+
+def built(name: str) -> Path:
+    """The model ``name`` (tiny-arith, tiny-calc) from the cache, built first when missing. The build holds the
+    model's file lock: under pytest-xdist one worker process builds and the others wait for it, then find it built."""
+    from filelock import FileLock
+
+    from trainer.tiny_arith import build_tiny_arith
+    from trainer.tiny_calc import build_tiny_calc
+
+    build = {"tiny-arith": build_tiny_arith, "tiny-calc": build_tiny_calc}[name]
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()  # `make test` runs the tests with one thread each (see the Makefile)
+    with FileLock(MODEL_CACHE / f".{name}.lock"):
+        torch.set_num_threads(len(os.sched_getaffinity(0)))  # a build has the machine to itself: every core
+        try:
+            return build(MODEL_CACHE / name)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def save_random_llama(out: Path, tok: Any, *, max_positions: int = 64) -> Path:
@@ -63,51 +82,25 @@ def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_arith_dir() -> Path:
-    """The real tiny-arith base model (built once, in the background: tests/built_models.py; then cached)."""
-    return built_models.built("tiny-arith")
+    """The real tiny-arith base model (built once, about seven minutes on 2 cores, then cached)."""
+    return built("tiny-arith")
 
 
 @pytest.fixture(scope="session")
 def tiny_calc_dir() -> Path:
-    """The real tiny-calc base model, the agent task's (built once, in the background; then cached)."""
-    return built_models.built("tiny-calc")
-
-
-def _needs_model(item: pytest.Item) -> bool:
-    return any(name in MODELS for name in getattr(item, "fixturenames", ()))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The test files that need a built model run last (in their order), so the background build overlaps the
-    others; their tests may wait for it (the build, minutes on two shared cores, counts against pytest-timeout's
-    limit of the first test that asks): their limit is the wait's. Whole files move, so pytest-xdist's
-    ``--dist loadfile`` keeps each file on one worker."""
-    later = {item.path for item in items if _needs_model(item)}
-    items[:] = [i for i in items if i.path not in later] + [i for i in items if i.path in later]
-    for item in items:
-        if _needs_model(item):
-            item.add_marker(pytest.mark.timeout(built_models.BUILD_WAIT_TIMEOUT_S))
-
-
-_build: subprocess.Popen[bytes] | None = None
+    """The real tiny-calc base model, the agent task's (built once, about three minutes on 2 cores, then cached)."""
+    return built("tiny-calc")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start building tiny-arith and tiny-calc in the background when a collected test needs them (a no-op when
-    the cache holds them). Under pytest-xdist the first worker starts it; every worker's fixture waits on the
-    models' locks."""
-    global _build
-    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
-        return
+    """Build tiny-arith and tiny-calc once before the tests run when any collected test needs them: outside every
+    test's timeout (pytest-timeout counts fixture set-up against the first test that asks, and a build takes minutes
+    on two shared cores), and a no-op when the cache already holds them. Under pytest-xdist every worker collects:
+    the first to take a model's lock builds it with the machine to itself (the tests start once every worker has
+    collected), the others find it built. A build beside the tests would share the cores with them: its two torch
+    threads then wait on each other at every small op (measured on 2 cores: tiny-calc built in 1497 s beside two
+    workers' tests, 165 s alone)."""
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    names = [model for fixture, model in MODELS.items() if fixture in needed]
-    if names:
-        _build = built_models.start_background_build(names)
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The background build is waited for when the run went its course (another worker's tests may need it), ended
-    when the run is stopping (interrupted, ``-x``)."""
-    if _build is not None:
-        stopping = bool(session.shouldstop or session.shouldfail) or exitstatus == pytest.ExitCode.INTERRUPTED
-        built_models.stop(_build, wait=not stopping)
+    for fixture, model in (("tiny_arith_dir", "tiny-arith"), ("tiny_calc_dir", "tiny-calc")):
+        if fixture in needed:
+            built(model)

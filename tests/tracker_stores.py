@@ -90,8 +90,13 @@ def _items(items: Any) -> dict[str, Any]:
 
 
 def wandb_run(folder: Path) -> WandbRun:
-    (log,) = folder.glob("run-*.wandb")
+    """The run in an offline folder; empty while W&B's service process has not created its log (and for good when
+    that process was killed first)."""
     out = WandbRun(folder)
+    logs = list(folder.glob("run-*.wandb"))
+    if not logs:
+        return out
+    (log,) = logs
     for record in wandb_records(log):
         match record.WhichOneof("record_type"):
             case "run":
