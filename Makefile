@@ -27,13 +27,18 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/proxima demo
 
-# Two pytest-xdist workers, whole test files each (module fixtures stay in one process), one torch thread each: the
-# suite's tests wait on servers, workers and browsers about as much as they compute, and two at once keep two cores
-# busy without oversubscribing them. TEST_WORKERS=0 runs it in one process (still one thread).
-TEST_WORKERS ?= 2
+# The suite in one process by default. TEST_WORKERS=2 runs it in two pytest-xdist workers, whole test files each
+# (module fixtures stay in one process), one torch thread each: 98 % of two cores busy against 65 % in one process,
+# but a latency test (tests/integration/test_grader_abuse.py's stalls-nobody poll) then failed once beside the other
+# worker's training, so it is not yet the default.
+TEST_WORKERS ?= 0
 
 test: $(STAMP) system-tools
+ifeq ($(TEST_WORKERS),0)
+	$(PY) -m pytest -q
+else
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+endif
 
 system-tools: $(SYSTEM_TOOLS)
 
