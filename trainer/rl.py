@@ -536,16 +536,20 @@ class RLTrainer(EngineLoop):
                 first = self._first_forward(batch)
             batch.token_rewards = self._token_rewards(batch)
             return first
-        if deferred:  # after the other scoring passes: their activations are gone when this graph is built
-            if hp.beta > 0:
-                (batch.ref_logp,) = self._by_rank(
-                    ro,
-                    lambda part: (
-                        self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs, reference=True),
-                    ),
-                )
-            if critic is not None and not self.trunk:
-                batch.values = critic.rollout_values(ro, precision=self.precision, micro_batch_size=mbs)
+        # The reference's and an adapter critic's passes first: where the update's first forward follows, their
+        # activations are gone when its graph is built.
+        if hp.beta > 0:
+            (batch.ref_logp,) = self._by_rank(
+                ro,
+                lambda part: (
+                    self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs, reference=True),
+                ),
+            )
+        if critic is not None and not self.trunk:
+            (batch.values,) = self._by_rank(
+                ro, lambda part: (critic.rollout_values(part, precision=self.precision, micro_batch_size=mbs),)
+            )
+        if deferred:
             first = self._first_forward(batch)
             if critic is not None and self.trunk:
                 assert first.values is not None
@@ -561,18 +565,7 @@ class RLTrainer(EngineLoop):
             (batch.old_logp,) = self._by_rank(
                 ro, lambda part: (self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs),)
             )
-        if hp.beta > 0 and not deferred:
-            (batch.ref_logp,) = self._by_rank(
-                ro,
-                lambda part: (
-                    self.engine.logprobs(part, temperature=hp.temperature, micro_batch_size=mbs, reference=True),
-                ),
-            )
         if critic is not None:
-            if not self.trunk and not deferred:
-                (batch.values,) = self._by_rank(
-                    ro, lambda part: (critic.rollout_values(part, precision=self.precision, micro_batch_size=mbs),)
-                )
             batch.token_rewards = self._token_rewards(batch)
         elif kl_in_reward:  # RLOO, REINFORCE: −β·Σ_t KL_t joins the sequence's reward
             assert batch.old_logp is not None and batch.ref_logp is not None
