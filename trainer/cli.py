@@ -106,7 +106,9 @@ def run_training(spec: JobSpec, output: Path, *, resume: bool = False, quiet: bo
         raise SpecError(f"{output} already holds checkpoints: pass --resume to continue, or choose a new --output")
     if not world.main:  # rank 0 writes the files and shows the progress
         trainer = build_trainer(spec, output_dir=output, callback=BaseCallback(), world=world)
-        return trainer.run(resume=resume)
+        result = trainer.run(resume=resume)
+        distributed.shut_down()
+        return result
     files = JsonlFiles(output, resume_step=latest.step if latest else None)
     trainer = build_trainer(spec, output_dir=output, callback=files, world=world)
     output.mkdir(parents=True, exist_ok=True)
@@ -121,7 +123,9 @@ def run_training(spec: JobSpec, output: Path, *, resume: bool = False, quiet: bo
     )
     with Progress(*columns, console=console, disable=quiet) as progress:
         trainer.cb = Callbacks(files, ProgressBar(progress, trainer.total_steps, latest.step if latest else 0))
-        return trainer.run(resume=resume)
+        result = trainer.run(resume=resume)
+    distributed.shut_down()
+    return result
 
 
 @app.command()

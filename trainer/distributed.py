@@ -220,5 +220,10 @@ def initialise(world: World) -> None:
 
 
 def shut_down() -> None:
+    """Leave the process group after a run that ended well on every rank: a barrier first (no rank tears its
+    communicators down while another's last collective is still in flight), then destroy it while the interpreter is
+    whole (gloo's worker threads left to interpreter teardown can abort the process). Not after an error: a rank that
+    failed mid-collective would leave the others waiting in the barrier."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
