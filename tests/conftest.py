@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.xdist_alone import pytest_runtest_protocol  # noqa: F401  (the hook that runs `alone` tests alone)
+
 REPO = Path(__file__).resolve().parent.parent
 # Built models are cached between local runs (the folder is git-ignored); CI builds them once per run.
 MODEL_CACHE = Path(os.environ.get("PROXIMA_TEST_MODELS", REPO / ".cache" / "models"))

@@ -188,6 +188,7 @@ def assert_serving(api: Api) -> None:
         assert client.get("/readyz").status_code == 200
 
 
+@pytest.mark.alone
 def test_postgres_down_every_route_answers_503_with_retry_after_then_recovers(
     api: Api, cluster: PostgresCluster
 ) -> None:
@@ -209,6 +210,7 @@ def test_postgres_down_every_route_answers_503_with_retry_after_then_recovers(
     assert_serving(api)
 
 
+@pytest.mark.alone
 def test_postgres_frozen_requests_answer_503_within_seconds_then_recover(api: Api, cluster: PostgresCluster) -> None:
     assert_serving(api)  # connections pooled: the freeze finds them open, mid-conversation next
 

@@ -98,6 +98,7 @@ class TestRun:
         assert body["sub_rewards"] == {"py": 1.0, "len": 2.0, "same": 1.0}
         assert body["reward"] == pytest.approx(2.2)
 
+    @pytest.mark.alone
     @pytest.mark.usefixtures("one_second")
     def test_a_grader_past_its_time_limit_is_a_server_error_and_stalls_nobody(
         self, api: httpx.Client, base_url: str

@@ -25,6 +25,7 @@ async def _burst(base_url: str, key: str, n: int) -> list[int]:
     return [r.status_code for r in responses]
 
 
+@pytest.mark.alone
 def test_a_burst_larger_than_the_pool_is_served_without_waiting_for_the_pool_timeout(
     settings: Any, tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
 ) -> None:

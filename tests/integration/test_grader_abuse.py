@@ -24,6 +24,8 @@ from tests.integration.conftest import GRADER, Tenant, assert_error, http_client
 from trainer.graders import MAX_GRADER_DEPTH, MAX_SIMILARITY_CHARS, MAX_TEMPLATE_CHARS
 from trainer.grading_pool import GradingPool
 
+pytestmark = pytest.mark.alone  # time limits and latencies: under pytest-xdist, no other test beside them
+
 RUN = "/v1/fine_tuning/alpha/graders/run"
 VALIDATE = "/v1/fine_tuning/alpha/graders/validate"
 OUTPUT = "{{sample.output_text}}"

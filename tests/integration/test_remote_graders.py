@@ -146,6 +146,7 @@ class TestScoreModel:
         assert (error.kind, error.cause) == (kind, cause) and says in error
         assert len(servers.state.to(f"/judge/{mode}")) == 1  # an answer, even a bad one, is not retried
 
+    @pytest.mark.alone
     def test_a_slow_judge_times_out_and_requests_run_concurrently(self, servers: Servers) -> None:
         texts = ["1", "2", "3", "4"]
         start = time.monotonic()

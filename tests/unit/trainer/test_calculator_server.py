@@ -227,6 +227,7 @@ def test_create_app_rejects_a_latency_out_of_range(latency_s: float) -> None:
 # --- a real socket ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.alone
 def test_real_server_overlaps_the_latency_of_concurrent_calls() -> None:
     """Eight calls at 0.5 s each, sent at once, finish in well under 8 × 0.5 s: the waits overlap."""
     server = make_server("127.0.0.1", 0, latency_s=0.5)

@@ -17,6 +17,8 @@ from trainer.agent_spec import EnvironmentSpec
 from trainer.sandbox import SandboxConfig, sandbox_available
 from trainer.tools import EnvironmentFailed, PythonEnvironmentExecutor, ToolResult
 
+pytestmark = pytest.mark.alone  # time limits and latencies: under pytest-xdist, no other test beside them
+
 LIMITS = SandboxConfig(
     sample_timeout_s=2.0,
     startup_timeout_s=20.0,  # a loaded 2-core machine: a start is ~0.1-0.2 s, its limit is for what never happens

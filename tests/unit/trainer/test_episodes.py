@@ -247,6 +247,7 @@ class TestLogprobs:
 
 
 class TestConcurrency:
+    @pytest.mark.alone
     def test_tool_calls_of_all_episodes_overlap(self) -> None:
         executor = FakeExecutor(delay=0.3)
         t0 = time.perf_counter()

@@ -27,6 +27,8 @@ from trainer.graders import (
     parse_grader,
 )
 
+pytestmark = pytest.mark.alone  # time limits and latencies: under pytest-xdist, no other test beside them
+
 OUTPUT = "{{sample.output_text}}"
 EXACT = {"type": "string_check", "name": "exact", "input": OUTPUT, "reference": "x", "operation": "eq"}
 

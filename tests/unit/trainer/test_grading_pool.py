@@ -94,6 +94,7 @@ class TestGrading:
 
 
 class TestHardTimeLimit:
+    @pytest.mark.alone
     def test_a_sample_stuck_in_a_c_call_holding_the_gil_times_out_and_the_batch_goes_on(
         self, misbehaving: GradingPool
     ) -> None:

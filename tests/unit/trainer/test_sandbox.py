@@ -34,6 +34,8 @@ from trainer.sandbox import (
     sandbox_available,
 )
 
+pytestmark = pytest.mark.alone  # time limits and latencies: under pytest-xdist, no other test beside them
+
 REPO = Path(__file__).resolve().parents[3]
 LIMITS = SandboxConfig(
     sample_timeout_s=3.0,

@@ -273,6 +273,7 @@ def worst_cases(cap: int) -> dict[str, tuple[str, str]]:
 
 
 class TestTimeAtTheCap:
+    @pytest.mark.alone
     @pytest.mark.parametrize("metric", sorted(METRICS))
     def test_texts_at_the_cap_score_well_within_the_sample_time_limit(self, metric: str) -> None:
         # Measured on an idle 2-core machine: at most 0.3 s, METEOR 1 s; the grading process kills a sample after

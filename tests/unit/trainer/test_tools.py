@@ -22,6 +22,8 @@ from trainer.agent_spec import ToolSpec
 from trainer.remote_graders import RemoteConfig
 from trainer.tools import MAX_TOOL_BYTES, HttpToolExecutor, ToolResult
 
+pytestmark = pytest.mark.alone  # time limits and latencies: under pytest-xdist, no other test beside them
+
 TRACE = "trace_0123456789abcdef0123456789abcdef"
 ITEM = {"question": "What is 2 + 40?", "answer": "42", "tags": ["sum", 1.5, None]}
 LOOPBACK = RemoteConfig(
