@@ -127,7 +127,9 @@ class Service:
     # -- workers -------------------------------------------------------------------------------------------------
 
     def start_worker(self, name: str) -> subprocess.Popen[bytes]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")} | self.env
+        # Not this process's W&B service (WANDB_SERVICE, set where a test ran W&B here): a worker starts its own.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_") and k != "WANDB_SERVICE"}
+        env |= self.env
         log = (self.root / f"worker-{name}.log").open("wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "worker.main", "--hostname", name, "--sweep-interval", "1"],

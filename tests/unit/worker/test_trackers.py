@@ -86,6 +86,18 @@ CONFIG = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def wandb_service_ends_with_the_module() -> Iterator[None]:
+    """W&B's service process, which these tests start in this process: ``wandb.init`` also puts its address in
+    ``os.environ`` (WANDB_SERVICE) for child processes to join. Torn down after the module, so that the processes a
+    later test starts here (an e2e test's workers, under pytest-xdist) start their own: joined to this one, a worker
+    killed by a test would leave its run open in it, and the job's next attempt would write into that run."""
+    yield
+    import wandb
+
+    wandb.teardown()
+
+
 @pytest.fixture(autouse=True)
 def quiet_trackers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """W&B's and MLflow's own files and settings in temporary folders; nothing reaches a network."""
