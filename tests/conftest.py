@@ -26,7 +26,7 @@ def built(name: str) -> Path:
 
     build = {"tiny-arith": build_tiny_arith, "tiny-calc": build_tiny_calc}[name]
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()  # `make test TEST_WORKERS=2` runs the tests with one each (see the Makefile)
+    threads = torch.get_num_threads()  # `make test` runs two xdist workers of one thread each (see the Makefile)
     with FileLock(MODEL_CACHE / f".{name}.lock"):
         if os.environ.get("PYTEST_XDIST_WORKER"):  # a build has the machine to itself: every core
             torch.set_num_threads(len(os.sched_getaffinity(0)))
