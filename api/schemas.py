@@ -138,7 +138,7 @@ class JobCreate(_Request):
         None,
         description='(extension) what the job runs on: `{"gpus": N}`, N devices training it data parallel (the '
         "deployment's `PROXIMA_MAX_JOB_GPUS` at most); `\"shard_base\": true` shards the frozen base's weights "
-        'across them (FSDP2; grpo, dr_grpo, dapo, rloo and reinforce, single-turn), and `"gather_for_generation": '
+        'across them (FSDP2; grpo, dr_grpo, dapo, rloo, reinforce and ppo, single-turn), and `"gather_for_generation": '
         "true` gathers it whole for each generation. Default one device",
     )
     integrations: list[Any] | None = Field(

@@ -438,10 +438,11 @@ class MethodSpec(BaseModel):
 MAX_GPUS = 64
 
 
-# What a sharded base supports (``resources.shard_base``): the critic-free online RL methods, single-turn. Every rank
-# must run the same forward passes of the sharded model in the same order (each gathers its layers' weights from all
-# ranks); an agent's episodes run a different number of turns on each rank.
-SHARDED_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce")
+# What a sharded base supports (``resources.shard_base``): the online RL methods, single-turn, PPO with its critic on
+# the sharded base (its adapter or the policy's trunk). Every rank must run the same forward passes of the sharded
+# model in the same order (each gathers its layers' weights from all ranks); an agent's episodes run a different
+# number of turns on each rank.
+SHARDED_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce", "ppo")
 
 
 class Resources(BaseModel):
@@ -676,6 +677,12 @@ def _check_sharded(spec: JobSpec) -> None:
     if m.agent is not None:
         raise SpecError(
             "shard_base does not run agent (multi-turn) jobs: the ranks' episodes take different numbers of turns",
+            param="resources.shard_base",
+        )
+    if isinstance(m.hyperparameters, PPOHyperparameters) and m.hyperparameters.value_model is not None:
+        raise SpecError(
+            "shard_base shards the policy's base, not a separate value_model (it would be whole on every device): "
+            "leave value_model out for the critic's own adapter on the sharded base, or use critic 'policy_trunk'",
             param="resources.shard_base",
         )
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from trainer.config import LoraSpec, PPOHyperparameters, SpecError
 from trainer.engine import cat_padded, cpu_bf16_attention
@@ -250,13 +251,15 @@ class Critic:
         ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
         mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
         c = batch.completion_ids.shape[1]
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids(mask), "use_cache": False}
+        sharded = isinstance(self.model, FSDPModule)
         with self._active(), autocast(precision, ids.device):
-            hidden = self._backbone()(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=position_ids(mask),
-                use_cache=False,
-            ).last_hidden_state
+            if sharded:  # a sharded base: through the root, whose forward gathers its own
+                # weights (the embeddings, the final norm); its LM head on one position only
+                out = self.model(**inputs, logits_to_keep=1, output_hidden_states=True)
+                hidden = out.hidden_states[-1]  # the final norm's output, as the backbone's last_hidden_state
+            else:
+                hidden = self._backbone()(**inputs).last_hidden_state
         return self.head_values(hidden[:, -c - 1 : -1])  # position t − 1 values the state before token t
 
     @torch.no_grad()

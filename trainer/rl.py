@@ -203,7 +203,9 @@ class RLTrainer(EngineLoop):
             sampler_copy=self.precision == "bf16" and rollout_engine is None and not self.sharded,
         )
         self.model = policy.model
-        if self.sharded:
+        self.params = trainable_parameters(self.model)  # the policy's LoRA weights (before a critic's adapter joins)
+        if self.sharded:  # the critic's adapter first: FSDP leaves the weights trainable at sharding time whole
+            self._build_critic()
             self._shard()
         decode = (
             "dynamic"
@@ -247,12 +249,17 @@ class RLTrainer(EngineLoop):
             if agent is not None
             else None
         )
-        self.params = trainable_parameters(self.model)  # the policy's LoRA weights
-        self._build_critic_and_engine()
+        if not self.sharded:
+            self._build_critic()
+        self._build_engine()
 
     def _shard(self) -> None:
-        """Shard the frozen base across the ranks (``trainer.distributed.shard_frozen_base``), said in an event."""
+        """Shard the frozen base across the ranks (``trainer.distributed.shard_frozen_base``), said in an event. The
+        LoRA weights (the policy's and a critic adapter's) stay whole, as does a critic's head; all go to the device."""
         sharding = shard_frozen_base(self.model, self.world, self.device)
+        if self.critic is not None:
+            self.critic.head.to(self.device)
+            self.critic.fuses = False  # the joined passes (CUDA) are untried on a sharded base: they stay apart
         self.cb.on_event(
             "info",
             f"the base's frozen weights are sharded across {self.world.size} devices: {sharding.held:,} of "
@@ -260,8 +267,8 @@ class RLTrainer(EngineLoop):
             {"ranks": self.world.size, "held": sharding.held, "total": sharding.total, "layers": sharding.layers},
         )
 
-    def _build_critic_and_engine(self) -> None:
-        """PPO's critic where the recipe has one, then the training engine over the policy's (and critic's) weights."""
+    def _build_critic(self) -> None:
+        """PPO's critic where the recipe has one."""
         spec, hp = self.spec, self.hp
         self.critic = (
             build_critic(
@@ -279,6 +286,10 @@ class RLTrainer(EngineLoop):
         )
         self.trunk = self.critic is not None and self.critic.trunk  # V from the policy's own forwards
         self.critic_params = self.critic.parameters() if self.critic is not None else []
+
+    def _build_engine(self) -> None:
+        """The training engine over the policy's (and the critic's) weights."""
+        spec, hp = self.spec, self.hp
         groups = [ParamGroup(self.params, hp.effective_learning_rate)]
         if self.critic is not None:
             assert isinstance(hp, PPOHyperparameters)

@@ -132,8 +132,10 @@ SHARDED = {"gpus": 2, "shard_base": True}
     ("method", "resources", "words"),
     [
         ({}, {"gpus": 1, "shard_base": True}, "shard_base needs gpus of 2 or more"),
-        ({"type": "ppo", "ppo": {"grader": GRADER, "hyperparameters": {"batch_size": 2}}}, SHARDED,
-         "shard_base supports grpo, dr_grpo, dapo, rloo, reinforce; not ppo"),
+        ({"type": "ppo", "ppo": {"grader": GRADER, "hyperparameters": {"batch_size": 2, "value_model": "m"}}},
+         SHARDED, "not a separate value_model"),
+        ({"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 2}}}, SHARDED,
+         "shard_base supports grpo, dr_grpo, dapo, rloo, reinforce, ppo; not supervised"),
         ({"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}}, SHARDED, "not dpo"),
         ({"tools": True}, SHARDED, "does not run agent (multi-turn) jobs"),
         ({}, {"gpus": 2, "shard_base": "yes please"}, "valid boolean"),
