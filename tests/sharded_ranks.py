@@ -32,12 +32,21 @@ def main(model: str, precision: str, out: Path) -> None:
                 a.add_(0.05)
                 b.add_(0.05)
     sharding = distributed.shard_frozen_base(sharded, world, cpu)
+    # Loaded by rank 0 alone: the other rank holds the structure on the meta device and receives its shard
+    received = load_policy(model, LoraSpec(), device=cpu, precision=precision, seed=0, weights=world.main).model  # type: ignore[arg-type]  # fmt: skip
+    with torch.no_grad():
+        for p in received.parameters():
+            if p.requires_grad and not p.is_meta:
+                p.add_(0.05)
+    received_sharding = distributed.shard_frozen_base(received, world, cpu)
     tok = build_tokenizer()
     texts = ["12+3=", "1+1=", "123+456="] if world.rank == 0 else ["9+9="]  # uneven shares
     ids, mask = left_pad([tok.encode(t) for t in texts], tok.pad_token_id)
     with autocast(precision, cpu):  # type: ignore[arg-type]
         a = whole(input_ids=ids, attention_mask=mask).logits.float()
         b = sharded(input_ids=ids, attention_mask=mask).logits.float()
+        with torch.no_grad():
+            c = received(input_ids=ids, attention_mask=mask).logits.float()
     a.logsumexp(-1).sum().backward()
     b.logsumexp(-1).sum().backward()
     grads = [(p.grad, q.grad) for p, q in zip(whole.parameters(), sharded.parameters(), strict=True) if p.requires_grad]
@@ -73,6 +82,8 @@ def main(model: str, precision: str, out: Path) -> None:
         "base_is_sharded": all(isinstance(p, DTensor) for p in sharded.parameters() if not p.requires_grad),
         "lora_is_whole": not any(isinstance(p, DTensor) for p in sharded.parameters() if p.requires_grad),
         "logits_max_diff": float((a - b).abs().max().detach()),
+        "received_logits_max_diff": float((a.detach() - c).abs().max()),
+        "from_rank0": [sharding.from_rank0, received_sharding.from_rank0],
         "logits_scale": float(a.abs().max().detach()),
         "grad_max_diff": max(float((g - h).abs().max()) for g, h in grads),
         "grad_scale": max(float(g.abs().max()) for g, _ in grads),

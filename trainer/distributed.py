@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -90,6 +91,11 @@ class World:
         box: list[Any] = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """Rank 0's values into ``tensor`` on every rank (in place; a collective)."""
+        if self.launched and self.size > 1:
+            dist.broadcast(tensor, src=0)
 
     def sum_floats(self, values: list[float]) -> list[float]:
         """The elementwise sum of every rank's ``values`` (in float64)."""
@@ -141,21 +147,31 @@ class World:
 @dataclass(frozen=True)
 class Sharding:
     """What :func:`shard_frozen_base` did: the frozen base's elements held on this rank, of how many in all, and the
-    modules sharded on their own (decoder layers) besides the whole model."""
+    modules sharded on their own (decoder layers) besides the whole model; ``from_rank0``: the other ranks loaded
+    no weights and received their shards from rank 0."""
 
     held: int
     total: int
     layers: int
+    from_rank0: bool = False
 
 
 def shard_frozen_base(model: torch.nn.Module, world: World, device: torch.device) -> Sharding:
     """Shard ``model``'s frozen weights across the world's ranks with FSDP2 (``fully_shard`` on each decoder layer,
     the modules the model's ``_no_split_modules`` names, then on the whole model); its trainable weights (LoRA) stay
-    whole on every rank. A model loaded on the CPU moves to ``device`` (each rank keeps its shard there)."""
+    whole on every rank. A model loaded on the CPU moves to ``device`` (each rank keeps its shard there).
+
+    Where the other ranks hold the model on the meta device (loaded without weights: only rank 0 read them, so the
+    host holds one whole copy, not one a rank), each allocates its shard and the whole trainable weights and receives
+    them from rank 0 (``set_model_state_dict``'s broadcast from rank 0; the buffers too, such as rotary frequencies,
+    which no state dict holds)."""
     map_large_blocks(device)  # on a CPU a gathered layer's memory goes back to the OS when freed
+    from_rank0 = any(world.gather(any(p.is_meta for p in model.parameters())))
+    whole = model.state_dict() if from_rank0 and world.main else {}  # rank 0's weights (references, not copies)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:  # fully_shard moves what it shards (and the buffers); the rest is ours to move
-        p.data = p.data.to(device)
+        if not p.is_meta:
+            p.data = p.data.to(device)
     total = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     mesh = init_device_mesh(device.type, (world.size,))
     keep = set(trainable)
@@ -165,10 +181,17 @@ def shard_frozen_base(model: torch.nn.Module, world: World, device: torch.device
         fully_shard(layer, mesh=mesh, ignored_params={p for p in layer.parameters() if p in keep})
     # the root's own weights (embeddings, final norm, LM head) freed after each forward too (FSDP2 keeps a root's)
     fully_shard(model, mesh=mesh, ignored_params=keep, reshard_after_forward=True)
+    if from_rank0:
+        if not world.main:
+            model.to_empty(device=device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, whole, options=options)
+        for buffer in model.buffers():
+            dist.broadcast(buffer.data, src=0)
     held = sum(
         p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters() if not p.requires_grad
     )
-    return Sharding(held=held, total=total, layers=len(layers))
+    return Sharding(held=held, total=total, layers=len(layers), from_rank0=from_rank0)
 
 
 @contextlib.contextmanager

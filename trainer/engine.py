@@ -92,11 +92,19 @@ class Policy:
 
 
 def load_policy(
-    model: str, lora: LoraSpec, *, device: torch.device, precision: Precision, seed: int, sampler_copy: bool = False
+    model: str,
+    lora: LoraSpec,
+    *,
+    device: torch.device,
+    precision: Precision,
+    seed: int,
+    sampler_copy: bool = False,
+    weights: bool = True,
 ) -> Policy:
     """Base + LoRA in the engine's precision: in bf16 the frozen linear weights are stored in bf16 (bit-identical
-    matmuls under autocast, half the memory), and on a CPU attention is eager's maths (:func:`cpu_bf16_attention`)."""
-    base = load_base_model(model, device)
+    matmuls under autocast, half the memory), and on a CPU attention is eager's maths (:func:`cpu_bf16_attention`).
+    ``weights`` False: on the meta device, the structure alone (:func:`~trainer.models.load_base_model`)."""
+    base = load_base_model(model, device, weights=weights)
     base_copy = copy.deepcopy(base) if sampler_copy else None
     if precision == "bf16":
         store_frozen_linears_in(base, torch.bfloat16)

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer import lora_forward
 from trainer.attention import use_grouped_attention
@@ -72,13 +72,21 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_base_model(model: str, device: torch.device) -> PreTrainedModel:
-    """Any Hugging Face causal LM by hub id or local path, fp32 weights, dropout off (eval mode)."""
+def load_base_model(model: str, device: torch.device, *, weights: bool = True) -> PreTrainedModel:
+    """Any Hugging Face causal LM by hub id or local path, fp32 weights, dropout off (eval mode). ``weights`` False:
+    its structure alone, on the meta device (no memory): a sharded base's rank that receives its shard from rank 0
+    (``trainer.distributed.shard_frozen_base``)."""
     try:
-        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        if weights:
+            base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        else:
+            config = AutoConfig.from_pretrained(model)
+            with torch.device("meta"):
+                base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (OSError, ValueError) as err:
         raise ModelError(f"cannot load model {model!r}: {err}") from None
-    base.to(device)
+    if weights:
+        base.to(device)
     base.eval()
     base.config.use_cache = True
     no_cudnn_attention(device)
@@ -214,10 +222,15 @@ def store_frozen_linears_in(model: PreTrainedModel, dtype: torch.dtype) -> int:
     stream stays fp32), and so does a linear tied to the input embedding.
     """
     embedding = model.get_input_embeddings()
-    tied = embedding.weight.data_ptr() if embedding is not None else None
+    tied_weight = embedding.weight if embedding is not None else None
+    tied = tied_weight.data_ptr() if tied_weight is not None and not tied_weight.is_meta else None
+
+    def is_tied(weight: torch.Tensor) -> bool:  # the same parameter, or (not on the meta device) the same memory
+        return weight is tied_weight or (tied is not None and weight.data_ptr() == tied)
+
     n = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.data_ptr() != tied:
+        if isinstance(module, torch.nn.Linear) and not is_tied(module.weight):
             module.weight.data = module.weight.data.to(dtype)
             if module.bias is not None:
                 module.bias.data = module.bias.data.to(dtype)

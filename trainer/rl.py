@@ -201,6 +201,7 @@ class RLTrainer(EngineLoop):
             precision=self.precision,
             seed=spec.seed,
             sampler_copy=self.precision == "bf16" and rollout_engine is None and not self.sharded,
+            weights=not self.sharded or self.world.main,  # sharded: rank 0 reads the weights, the others get shards
         )
         self.model = policy.model
         self.params = trainable_parameters(self.model)  # the policy's LoRA weights (before a critic's adapter joins)
@@ -256,15 +257,35 @@ class RLTrainer(EngineLoop):
     def _shard(self) -> None:
         """Shard the frozen base across the ranks (``trainer.distributed.shard_frozen_base``), said in an event. The
         LoRA weights (the policy's and a critic adapter's) stay whole, as does a critic's head; all go to the device."""
+        policy = {id(p) for p in self.params}
+        names = [n for n, p in self.model.named_parameters() if id(p) in policy]
         sharding = shard_frozen_base(self.model, self.world, self.device)
+        # a rank that loaded no weights has new parameter objects now (allocated off the meta device)
+        named = dict(self.model.named_parameters())
+        self.params = [named[n] for n in names]
         if self.critic is not None:
-            self.critic.head.to(self.device)
+            head = self.critic.head
+            if head.weight.is_meta:  # a rank that loaded no weights: rank 0's head (zeros, as built)
+                head.to_empty(device=self.device)
+            head.to(self.device)
+            for p in head.parameters():
+                self.world.broadcast_tensor(p.data)
             self.critic.fuses = False  # the joined passes (CUDA) are untried on a sharded base: they stay apart
+            self.critic_params = self.critic.parameters()
+        # The ranks that loaded no weights drew no random numbers for LoRA's initial weights: rank 0's generator state
+        # on every rank, as if each had loaded the whole base
+        torch.set_rng_state(self.world.broadcast(torch.get_rng_state()))
         self.cb.on_event(
             "info",
             f"the base's frozen weights are sharded across {self.world.size} devices: {sharding.held:,} of "
             f"{sharding.total:,} on each, {sharding.layers} decoder layers gathered one at a time",
-            {"ranks": self.world.size, "held": sharding.held, "total": sharding.total, "layers": sharding.layers},
+            {
+                "ranks": self.world.size,
+                "held": sharding.held,
+                "total": sharding.total,
+                "layers": sharding.layers,
+                "loaded_by_rank0_only": sharding.from_rank0,
+            },
         )
 
     def _build_critic(self) -> None:

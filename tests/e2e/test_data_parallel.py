@@ -129,7 +129,7 @@ def test_a_sharded_base_computes_what_the_whole_one_does(
     """Two ranks each hold half of the frozen base (FSDP2, the LoRA weights whole on both; in bf16 the linears are
     bf16 beside fp32 norms): the logits and LoRA gradients of uneven shares of rows equal the unsharded policy's,
     sampling in lockstep gives each rank's rows what they get alone, and a rank with no prompts decodes for the
-    other's."""
+    other's. A policy loaded by rank 0 alone (rank 1's on the meta device) computes the same once sharded."""
     launcher = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
          "-m", "tests.sharded_ranks", str(random_model_dir), precision, str(tmp_path)],
@@ -147,6 +147,8 @@ def test_a_sharded_base_computes_what_the_whole_one_does(
         assert r["base_is_sharded"] and r["lora_is_whole"] and r["layers"] == 2
         assert r["held"] == r["total"] // 2
         assert r["logits_max_diff"] <= 1e-6 * r["logits_scale"]  # the same weights, gathered: the same sums
+        # loaded by rank 0 alone (rank 1 on the meta device), rank 1's shard and LoRA weights received: the same
+        assert r["from_rank0"] == [False, True] and r["received_logits_max_diff"] <= 1e-6 * r["logits_scale"]
         assert r["grad_max_diff"] <= 1e-6 * r["grad_scale"] and r["grad_scale"] > 0
         assert r["completions_equal"]
     assert ranks[1]["lengths"] == [1] and max(ranks[0]["lengths"]) > 1  # rank 1 decoded on past its row's end
@@ -203,6 +205,7 @@ def test_two_ranks_sharing_a_sharded_base_train_what_one_unsharded_does(
     assert len(sharded) == 1  # rank 0's word: it holds half of the base (each matrix's rows split in two)
     held, total = sharded[0].data["held"], sharded[0].data["total"]
     assert held == total // 2 and sharded[0].data["layers"] == 2
+    assert sharded[0].data["loaded_by_rank0_only"]  # rank 1 read no weights: its shard came from rank 0
     a, b = adapter(tmp_path / "one"), adapter(tmp_path / "sharded")
     assert a.keys() == b.keys()
     for name in a:
