@@ -67,6 +67,7 @@ class Critic:
         seed: int,
         separate_base: torch.nn.Module | None = None,
         trunk: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         assert not (trunk and separate_base is not None), "a trunk head reads the policy (config._check_rl_method)"
         self.shared = separate_base is None
@@ -91,7 +92,9 @@ class Critic:
         backbone = self._backbone()
         config = self.model.get_base_model().config
         hidden = int(backbone.config.hidden_size)
-        device = next(self.model.parameters()).device
+        # the trainer's device (the model may still be on the meta device or the host: a sharded base's, before
+        # sharding); the head is zeros, alike on every rank
+        device = device or next(self.model.parameters()).device
         # The critic's passes can join the policy's: a second adapter on the same base, logits plain lm_head's. On
         # this project's CPUs the joined passes measured no faster (the update slower: BENCHMARKS.md), so they are
         # used on CUDA devices only, where a pass of a LoRA-sized model is bound by kernel launches.
@@ -322,6 +325,8 @@ def build_critic(
             store_frozen_linears_in(separate, torch.bfloat16)
         cpu_bf16_attention(separate, precision=precision, device=device)
     try:
-        return Critic(policy, lora=lora, seed=seed, separate_base=separate, trunk=hp.critic == "policy_trunk")
+        return Critic(
+            policy, lora=lora, seed=seed, separate_base=separate, trunk=hp.critic == "policy_trunk", device=device
+        )
     except ModelError as err:
         raise SpecError(str(err), param=param) from None

@@ -92,11 +92,6 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
-        """Rank 0's values into ``tensor`` on every rank (in place; a collective)."""
-        if self.launched and self.size > 1:
-            dist.broadcast(tensor, src=0)
-
     def sum_floats(self, values: list[float]) -> list[float]:
         """The elementwise sum of every rank's ``values`` (in float64)."""
         if not self.launched or self.size == 1:

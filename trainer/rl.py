@@ -256,7 +256,7 @@ class RLTrainer(EngineLoop):
 
     def _shard(self) -> None:
         """Shard the frozen base across the ranks (``trainer.distributed.shard_frozen_base``), said in an event. The
-        LoRA weights (the policy's and a critic adapter's) stay whole, as does a critic's head; all go to the device."""
+        LoRA weights (the policy's and a critic adapter's) stay whole (a critic's head is on the device already)."""
         policy = {id(p) for p in self.params}
         names = [n for n, p in self.model.named_parameters() if id(p) in policy]
         sharding = shard_frozen_base(self.model, self.world, self.device)
@@ -264,12 +264,6 @@ class RLTrainer(EngineLoop):
         named = dict(self.model.named_parameters())
         self.params = [named[n] for n in names]
         if self.critic is not None:
-            head = self.critic.head
-            if head.weight.is_meta:  # a rank that loaded no weights: rank 0's head (zeros, as built)
-                head.to_empty(device=self.device)
-            head.to(self.device)
-            for p in head.parameters():
-                self.world.broadcast_tensor(p.data)
             self.critic.fuses = False  # the joined passes (CUDA) are untried on a sharded base: they stay apart
             self.critic_params = self.critic.parameters()
         # The ranks that loaded no weights drew no random numbers for LoRA's initial weights: rank 0's generator state
