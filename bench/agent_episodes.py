@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import platform
 import statistics
 import threading
@@ -60,6 +59,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer import calculator_server, tiny_calc
 from trainer.agent_spec import ToolSpec
+from trainer.builtin_models import shipped
 from trainer.config import LoraSpec
 from trainer.data import PromptItem
 from trainer.encoding import encode_prompts
@@ -72,7 +72,6 @@ from trainer.tool_calls import ToolCall, parser_for
 from trainer.tools import HttpToolExecutor
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL_CACHE = Path(os.environ.get("PROXIMA_TEST_MODELS", REPO / ".cache" / "models"))
 SLOW_LATENCY_MS = 500.0  # serial windows at this latency or more run --slow-serial-batches batches
 SEED = 0
 
@@ -349,7 +348,7 @@ def _spread(values: Sequence[float | None], digits: int = 2) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=MODEL_CACHE / tiny_calc.MODEL_NAME)
+    parser.add_argument("--model-dir", type=Path, default=shipped(tiny_calc.MODEL_NAME))
     parser.add_argument("--latencies", type=float, nargs="+", default=[0.0, 50.0, 500.0], help="tool latencies, ms")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the two sides alternate which goes first")
     parser.add_argument("--batches", type=int, default=5, help="measured batches a window")

@@ -39,8 +39,9 @@ from typing import Any
 
 import httpx
 
+from trainer.builtin_models import shipped
+
 REPO = Path(__file__).resolve().parent.parent
-MODEL_CACHE = Path(os.environ.get("PROXIMA_TEST_MODELS", REPO / ".cache" / "models"))
 KEY = "bench-key"
 
 
@@ -176,7 +177,7 @@ def register(url: str, name: str, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=MODEL_CACHE / "tiny-arith")
+    parser.add_argument("--model-dir", type=Path, default=shipped("tiny-arith"))
     parser.add_argument("--adapter", type=Path, default=None, help="a PEFT adapter folder (default: a random one)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--duration", type=float, default=30.0, help="measured seconds per (model, clients)")

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL_CACHE = Path(os.environ.get("PROXIMA_TEST_MODELS", REPO / ".cache" / "models"))
 
 STRING_CHECK = {
     "type": "string_check",
@@ -53,13 +52,14 @@ def worker(side: str, steps: int, seed: int) -> None:
     import torch
 
     from trainer import rl
+    from trainer.builtin_models import shipped
     from trainer.callbacks import JsonlFiles
     from trainer.config import parse_spec
-    from trainer.tiny_arith import build_tiny_arith, write_arithmetic_datasets
+    from trainer.tiny_arith import write_arithmetic_datasets
     from trainer.train import train
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model = build_tiny_arith(MODEL_CACHE / "tiny-arith")
+    model = shipped("tiny-arith")
     work = Path(tempfile.mkdtemp(prefix=f"python-grader-bench-{side}-"))
     write_arithmetic_datasets(work / "data")
     grading: list[float] = []

@@ -27,11 +27,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import metrics as M
+from trainer.builtin_models import shipped
 from trainer.callbacks import JsonlFiles
 from trainer.config import parse_spec
 from trainer.data import load_preferences
 from trainer.reward_model import RewardModel
-from trainer.tiny_arith import build_tiny_arith, write_arithmetic_datasets
+from trainer.tiny_arith import write_arithmetic_datasets
 from trainer.train import train
 
 ACCURACY = {
@@ -41,7 +42,6 @@ ACCURACY = {
     "reference": "{{item.answer}}",
     "operation": "eq",
 }
-MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "models" / "tiny-arith"
 
 
 def reward_model_job(
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--ppo-hp", type=json.loads, default={}, help="extra PPO hyperparameters (JSON), both sides")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    model = args.model_dir or build_tiny_arith(MODEL_CACHE)
+    model = args.model_dir or shipped("tiny-arith")
     results: dict[str, Any] = {"steps": args.steps, "seeds": {}}
     with tempfile.TemporaryDirectory(prefix="proxima-rlhf-") as tmp:
         data = Path(tmp) / "data"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -12,28 +11,15 @@ import torch
 from tests.xdist_alone import pytest_runtest_protocol  # noqa: F401  (the hook that runs `alone` tests alone)
 
 REPO = Path(__file__).resolve().parent.parent
-# Built models are cached between local runs (the folder is git-ignored); CI builds them once per run.
-MODEL_CACHE = Path(os.environ.get("PROXIMA_TEST_MODELS", REPO / ".cache" / "models"))
 
 
 def built(name: str) -> Path:
-    """The model ``name`` (tiny-arith, tiny-calc) from the cache, built first when missing. The build holds the
-    model's file lock: under pytest-xdist one worker process builds and the others wait for it, then find it built."""
-    from filelock import FileLock
+    """The built-in model ``name`` (tiny-arith, tiny-calc): the project's shipped build, every file checked against
+    its digest, the same weights on every machine (``trainer.builtin_models``). Read-only: a test that needs the
+    model in a model store copies it there."""
+    from trainer.builtin_models import shipped
 
-    from trainer.tiny_arith import build_tiny_arith
-    from trainer.tiny_calc import build_tiny_calc
-
-    build = {"tiny-arith": build_tiny_arith, "tiny-calc": build_tiny_calc}[name]
-    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()  # `make test` runs two xdist workers of one thread each (see the Makefile)
-    with FileLock(MODEL_CACHE / f".{name}.lock"):
-        if os.environ.get("PYTEST_XDIST_WORKER"):  # a build has the machine to itself: every core
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
-        try:
-            return build(MODEL_CACHE / name)
-        finally:
-            torch.set_num_threads(threads)
+    return shipped(name)
 
 
 def save_random_llama(out: Path, tok: Any, *, max_positions: int = 64) -> Path:
@@ -85,25 +71,11 @@ def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_arith_dir() -> Path:
-    """The real tiny-arith base model (built once, about seven minutes on 2 cores, then cached)."""
+    """The real tiny-arith base model, as shipped."""
     return built("tiny-arith")
 
 
 @pytest.fixture(scope="session")
 def tiny_calc_dir() -> Path:
-    """The real tiny-calc base model, the agent task's (built once, about three minutes on 2 cores, then cached)."""
+    """The real tiny-calc base model, the agent task's, as shipped."""
     return built("tiny-calc")
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build tiny-arith and tiny-calc once before the tests run when any collected test needs them: outside every
-    test's timeout (pytest-timeout counts fixture set-up against the first test that asks, and a build takes minutes
-    on two shared cores), and a no-op when the cache already holds them. Under pytest-xdist every worker collects:
-    the first to take a model's lock builds it with the machine to itself (the tests start once every worker has
-    collected), the others find it built. A build beside the tests would share the cores with them: its two torch
-    threads then wait on each other at every small op (measured on 2 cores: tiny-calc built in 1497 s beside two
-    workers' tests, 165 s alone)."""
-    needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    for fixture, model in (("tiny_arith_dir", "tiny-arith"), ("tiny_calc_dir", "tiny-calc")):
-        if fixture in needed:
-            built(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -13,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from trainer import graders
+from trainer import builtin_models, graders
 from trainer import metrics as M
 from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
 from trainer.config import JobSpec, SpecError, load_spec
@@ -44,12 +45,13 @@ def model_store() -> Path:
 
 
 def resolve_model(name: str) -> str:
-    """A name in the model store → its folder; anything else (a local path or a hub id) is passed through."""
+    """A name in the model store → its folder (a built-in model missing there is installed first); anything else (a
+    local path or a hub id) is passed through."""
     local = model_store() / name
     if (local / "config.json").is_file():
         return str(local)
-    if name in BUILTIN_MODELS:
-        raise ModelError(f"model {name!r} is not built yet: run `proxima models build {name}`")
+    if name in BUILTIN_MODELS:  # shipped with the project: installed on first use
+        return str(install_builtin(name).path)
     return name
 
 
@@ -223,47 +225,91 @@ def _read_json(path: Path) -> Any:
 
 @models_app.command("build")
 def models_build(
-    name: Annotated[str, typer.Argument(help="the built-in model to build: tiny-arith or tiny-calc")],
-    seed: Annotated[int, typer.Option()] = 0,
+    name: Annotated[str, typer.Argument(help="the built-in model: tiny-arith or tiny-calc")],
+    from_scratch: Annotated[
+        bool,
+        typer.Option(
+            "--from-scratch", help="train it with its recipe (minutes) instead of installing the shipped build"
+        ),
+    ] = False,
+    output: Annotated[
+        Path | None, typer.Option(help="with --from-scratch: the folder to build into (default: the model store)")
+    ] = None,
+    replace: Annotated[bool, typer.Option(help="replace the folder when it holds another build")] = False,
+    seed: Annotated[int, typer.Option(help="with --from-scratch: the recipe's seed (the shipped build's is 0)")] = 0,
 ) -> None:
-    """Build a built-in base model into the model store (a no-op when it is there); prints its folder last."""
-    from trainer import tiny_arith, tiny_calc
-
-    if name not in BUILTIN_MODELS:
-        _fail(ModelError(f"unknown built-in model {name!r}; valid: {', '.join(BUILTIN_MODELS)}"))
-    out = model_store() / name
-    if tiny_arith.is_complete_build(out):
-        print(out)
-        return
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        console=console,
-    ) as progress:
-        tasks: dict[str, Any] = {}
-
-        def report(stage: str, step: int, total: int, loss: float) -> None:
-            if stage not in tasks:
-                tasks[stage] = progress.add_task(stage, total=total, loss=loss)
-            progress.update(tasks[stage], completed=step, loss=loss)
-
-        if name == tiny_calc.MODEL_NAME:
-            tiny_calc.build_tiny_calc(out, seed=seed, progress=report)
+    """Put a built-in base model into the model store: a copy of the shipped build, checked against its digests (a
+    no-op when the store holds it), or with --from-scratch one trained by its recipe. Prints its folder last."""
+    try:
+        if from_scratch:
+            out = build_from_scratch(name, output or model_store() / name, seed=seed, replace=replace)
+        elif seed != 0 or output is not None:
+            raise ModelError("--seed and --output build a model with its recipe: add --from-scratch")
         else:
-            tiny_arith.build_tiny_arith(out, seed=seed, progress=report)
-    info = json.loads((out / tiny_arith.BUILD_INFO_FILE).read_text())
-    if name == tiny_calc.MODEL_NAME:
-        sampled, greedy = info["validation"]["sampled"], info["validation"]["greedy"]
+            out = install_builtin(name, replace=replace).path
+    except (ModelError, builtin_models.BuiltinModelError) as err:
+        _fail(err)
+    print(out)
+
+
+def install_builtin(name: str, *, replace: bool = False) -> builtin_models.Installed:
+    """The shipped build of ``name`` in the model store (:func:`trainer.builtin_models.install`); says what it did."""
+    done = builtin_models.install(name, model_store(), replace=replace)
+    short = done.weights_sha256[:12]
+    if done.outcome == "kept":
         console.print(
+            f"[yellow]{name}:[/yellow] {done.path} holds another build (weights sha256 {short}…), kept: adapters "
+            f"trained on it need it; --replace installs the shipped build"
+        )
+    else:
+        said = "installed the shipped build" if done.outcome == "installed" else "the shipped build is in place"
+        console.print(f"{name}: {said} (weights sha256 {short}…, every file checked) in {done.path}")
+    return done
+
+
+def build_from_scratch(name: str, out: Path, *, seed: int, replace: bool) -> Path:
+    """Train ``name`` with its recipe into ``out`` (minutes; progress as it goes), then say whether it reproduced the
+    shipped build's files."""
+    from trainer import tiny_arith, tiny_calc
+    from trainer.progress import stage_progress
+
+    builders = {tiny_arith.MODEL_NAME: tiny_arith.build_tiny_arith, tiny_calc.MODEL_NAME: tiny_calc.build_tiny_calc}
+    if name not in builders:
+        raise ModelError(f"unknown built-in model {name!r}; valid: {', '.join(BUILTIN_MODELS)}")
+    if tiny_arith.is_complete_build(out):
+        if not replace:
+            raise ModelError(f"{out} already holds a build of {name}: pass --replace to build it again")
+        shutil.rmtree(out)
+    console.print(f"{name}: training with its recipe into {out} (two to four minutes on 2 cores)")
+    with stage_progress(console) as progress:
+        builders[name](out, seed=seed, progress=progress)
+    info = json.loads((out / tiny_arith.BUILD_INFO_FILE).read_text())
+    console.print(f"{name}: built in {info['build_seconds']:.0f} s; {_build_summary(name, info)}")
+    expected = {f: d for f, d in builtin_models.DIGESTS[name].items() if f != builtin_models.MARKER}
+    actual = {f: d for f, d in builtin_models.folder_digests(out).items() if f != builtin_models.MARKER}
+    if not (differ := builtin_models.differences(expected, actual)):
+        console.print(
+            f"{name}: identical to the shipped build (every file but {builtin_models.MARKER}, which holds times)"
+        )
+    else:
+        shipped = json.loads((builtin_models.SHIPPED / name / builtin_models.MARKER).read_text())
+        console.print(
+            f"{name}: differs from the shipped build in {', '.join(differ)}: this build ran on {info.get('cpu')} "
+            f"(bf16 autocast {info.get('bf16_autocast')}), the shipped one on {shipped.get('cpu')} "
+            f"(bf16 autocast {shipped.get('bf16_autocast')}); seed {seed}"
+        )
+    return out
+
+
+def _build_summary(name: str, info: dict[str, Any]) -> str:
+    validation = info["validation"]
+    if name == "tiny-calc":
+        sampled, greedy = validation["sampled"], validation["greedy"]
+        return (
             f"sampled episodes call the calculator {sampled['call_rate']:.2f} of the time, right "
             f"{sampled['tool_accuracy']:.2f} when they do; greedy accuracy {greedy['accuracy']:.3f}"
         )
-    else:
-        console.print(f"validation greedy accuracy {info['validation']['greedy_accuracy_after_carry_drop']:.3f}")
-    print(out)
+    return f"validation greedy accuracy {validation['greedy_accuracy_after_carry_drop']:.3f}"
 
 
 @datasets_app.command("arithmetic")

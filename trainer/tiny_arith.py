@@ -20,6 +20,7 @@ fp32, as loaders will run it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -42,6 +43,7 @@ from transformers import (
 )
 
 from trainer.models import fast_bf16_available
+from trainer.progress import ProgressFn
 
 MODEL_NAME = "tiny-arith"
 
@@ -64,7 +66,6 @@ BUILD_INFO_FILE = "build_info.json"
 # The longest answer, "198" (3 digit tokens), plus <eos>: generation never needs more.
 _MAX_ANSWER_TOKENS = 4
 
-ProgressFn = Callable[[str, int, int, float], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,6 +426,25 @@ def lr_at(step: int, *, total: int, peak: float, warmup: int, min_ratio: float) 
 FAST_BF16 = fast_bf16_available(torch.device("cpu"))
 
 
+def build_machine() -> dict[str, Any]:
+    """What a build's weights depend on besides the recipe and the seed, for ``build_info.json``: the CPU (whose
+    kernels round bf16 matmuls their own way), whether the build ran under bf16 autocast, torch and its threads."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    matmul = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "no avx2")
+    cpu = f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')}, {matmul})"
+    return {
+        "cpu": cpu,
+        "bf16_autocast": FAST_BF16,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
 def _train_stage(
     model: LlamaForCausalLM,
     data: _Encoded,
@@ -586,8 +606,7 @@ def build_tiny_arith(
                 "sample_accuracy_mean": sample_mean,
                 "sample_temperature": recipe.eval_temperature,
             },
-            "torch_version": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
+            **build_machine(),
             "build_seconds": round(time.monotonic() - started, 1),
         }
         # The marker goes last: its presence is what makes a directory a complete build.

@@ -53,6 +53,7 @@ from trainer.tiny_arith import (
     PAD_TOKEN,
     UNK_TOKEN,
     ProgressFn,
+    build_machine,
     is_complete_build,
     lr_at,
     refuse_foreign_directory,
@@ -689,8 +690,7 @@ def build_tiny_calc(
                 "greedy": dataclasses.asdict(greedy),
                 "sampled_without_tools": dataclasses.asdict(no_tools),
             },
-            "torch_version": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
+            **build_machine(),
             "train_seconds": round(trained_s, 1),
             "build_seconds": round(time.monotonic() - started, 1),
         }

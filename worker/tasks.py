@@ -56,6 +56,7 @@ from api.settings import Settings
 from api.status import JobStatus
 from api.storage import ArtifactStore, NotFound, StoreFull, store_from_url
 from api.tasks import RUN_JOB
+from trainer import builtin_models
 from trainer import metrics as M
 from trainer.names import BUILTIN_MODELS
 from worker import messages as msg
@@ -103,8 +104,9 @@ def checkpoint_prefix(job_id: str, step: int) -> str:
 
 
 def resolve_model(name: str, model_store: Path) -> str:
-    """A name in the model store → its folder; a local path must hold a model; anything else (a hub id) is passed
-    through, and the trainer reports a model it cannot load as ``model_not_available``."""
+    """A name in the model store → its folder (a built-in model missing there is installed first, from the shipped
+    build); a local path must hold a model; anything else (a hub id) is passed through, and the trainer reports a
+    model it cannot load as ``model_not_available``."""
     local = model_store / name
     if (local / "config.json").is_file():
         return str(local)
@@ -114,9 +116,11 @@ def resolve_model(name: str, model_store: Path) -> str:
             message = f"model {name!r} is not available on this worker: no model there"
             raise JobError(ErrorCode.MODEL_NOT_AVAILABLE, message)
         return name
-    if name in BUILTIN_MODELS:
-        message = f"model {name!r} is not built on this worker: run `proxima models build {name}`"
-        raise JobError(ErrorCode.MODEL_NOT_AVAILABLE, message)
+    if name in BUILTIN_MODELS:  # shipped with the project: installed on first use
+        try:
+            return str(builtin_models.install(name, model_store).path)
+        except (builtin_models.BuiltinModelError, OSError) as err:
+            raise JobError(ErrorCode.MODEL_NOT_AVAILABLE, f"model {name!r} cannot be installed here: {err}") from None
     return name
 
 
