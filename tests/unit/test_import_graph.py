@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,9 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     return out
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
+    """Module → the project modules it imports; parsed once per run (every test reads the same tree)."""
     files = [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
     modules = {_module_name(p) for p in files}
     graph = {_module_name(p): _imports(p, modules) for p in files}
