@@ -3,7 +3,7 @@ real HTTP, lift held-out greedy accuracy by at least 0.25 and the tool-call rate
 
 The base answers three-number sums by itself with the ones carry dropped (right on 3% of samples) and calls the
 calculator on 30% of samples (right on 97% of those), greedily on 4% of prompts: the policy has to learn to call the
-tool. Slow (tens of seconds each, plus the one-off tiny-calc build) but run in CI. 200 validation problems give a
+tool. Slow (ten to twenty seconds each) but run in CI. 200 validation problems give a
 standard error of about 0.035 on an accuracy: a lift of 0.25 is far outside noise.
 """
 
@@ -41,7 +41,9 @@ def local_tools() -> Iterator[None]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "steps"), [("grpo", 30), ("ppo", 20)])
+# The shortest runs with a margin, measured on the shipped tiny-calc (held-out accuracy from 0.055): GRPO 0.315 at step
+# 9, 0.88 at 12, 0.97 at 15; PPO 0.30 at step 2, 0.99 at 4. A zero learning rate leaves both at 0.055.
+@pytest.mark.parametrize(("method", "steps"), [("grpo", 15), ("ppo", 8)])
 def test_an_agent_job_learns_to_call_the_calculator(
     method: str, steps: int, tiny_calc_dir: Path, calc_data: Path, calculator: str, tmp_path: Path
 ) -> None:

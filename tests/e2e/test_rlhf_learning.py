@@ -1,7 +1,7 @@
 """RLHF on tiny-arith, end to end (issue 16): a reward model trained with default hyperparameters on the built-in
 preference data ranks held-out pairs like the truth, and PPO graded only by it lifts held-out accuracy.
 
-Slow (about a minute for the reward model and two for the PPO runs on 2 cores) but run in CI. The held-out pairs
+Slow (about 15 s for the reward model and 10 s each for the PPO runs on 2 cores) but run in CI. The held-out pairs
 are the built-in `validation_preferences.jsonl`: 200 problems no training file holds (the reward model's own
 validation, which picks its best checkpoint, is the default 10% split of its training pairs). The three-seed figures
 against PPO on the true grader are bench/rlhf.py's, in BENCHMARKS.md.
@@ -85,7 +85,7 @@ def test_a_reward_model_with_default_hyperparameters_ranks_heldout_pairs_like_th
 def ppo(model: Path, data: Path, out: Path, grader: dict[str, object], **hp: object) -> RunResult:
     """PPO with its default hyperparameters but for the length, the validation cadence and completions that fit
     tiny-arith's 64-token context (the default of 256 does not)."""
-    body = {"max_steps": 60, "max_completion_tokens": 6, "eval_interval": 10, "rollouts_logged": 0, **hp}
+    body = {"max_steps": 20, "max_completion_tokens": 6, "eval_interval": 10, "rollouts_logged": 0, **hp}
     spec = {
         "model": str(model),
         "training_file": str(data / "train.jsonl"),
@@ -108,15 +108,17 @@ def test_ppo_graded_only_by_the_reward_model_lifts_heldout_accuracy_with_the_tru
     result = ppo(tiny_arith_dir, arithmetic_data, tmp_path, grader, keep_best=truth)
     rows = rows_of(tmp_path)
     curve = {r["step"]: r[truth] for r in rows if truth in r}
-    assert sorted(curve) == list(range(0, 61, 10))
-    base, last = curve[0], curve[60]
+    assert sorted(curve) == [0, 10, 20]
+    base, last = curve[0], curve[20]
     kept = curve[result.best_step] if result.best_step is not None else last
-    print(f"rlhf: held-out greedy accuracy {base:.3f} → {last:.3f} at step 60; the job's adapter (step "
+    print(f"rlhf: held-out greedy accuracy {base:.3f} → {last:.3f} at step 20; the job's adapter (step "
           f"{result.best_step}) {kept:.3f}; curve {curve}")  # fmt: skip
     # Trained on the reward model alone: its own reward rose, and so did the truth it never saw.
     assert all(r[M.reward_of("rm")] == r[M.REWARD_MEAN] for r in rows if M.REWARD_MEAN in r)
     assert kept == max(curve.values()) and kept >= base
-    assert last - base >= 0.3  # measured: see BENCHMARKS.md
+    # measured on the shipped tiny-arith: 0.375 → 0.785 at step 10, 0.860 at 20 (0.900 at 50, 0.870 at 60, where
+    # this test ran to before); 20 steps keep a margin of 0.18 over the bar, and a zero learning rate stays at 0.375
+    assert last - base >= 0.3
     # The over-optimisation signature is measured at every validation (0 while the truth rises with the reward).
     assert all(M.VAL_OVEROPTIMISATION in r for r in rows if truth in r)
 
@@ -128,7 +130,8 @@ def test_a_flawed_reward_is_caught_over_optimised_and_the_job_keeps_the_checkpoi
     """A proxy with a flaw, as a learned reward has (the old built-in reward models' "prefer the larger sum"): a right
     answer scores 0.5 and any larger number 1. PPO on it first learns to add, then to overshoot. Measured here (fp32,
     seeds 0, 1, 2): the truth rose 0.39 → 0.82, 0.71, 0.69 at step 5 and fell to 0.06, 0.14, 0.21 by step 30 while
-    the proxy's validation rose 0.47–0.52 → 0.88–0.96. (A proxy that only ties the truth, right or any answer from
+    the proxy's validation rose 0.47–0.52 → 0.88–0.96; on the shipped tiny-arith the truth rose 0.37 → 0.735 at step
+    5 and fell to 0.55 at step 10 (the warning) and 0.36 at 15, where the run ends. (A proxy that only ties the truth, right or any answer from
     100 to 199 scoring 1, did not do it reliably: on some machines PPO learned to add and stayed right.)"""
     larger = """
 def grade(sample, item):
@@ -145,7 +148,7 @@ def grade(sample, item):
         arithmetic_data,
         tmp_path,
         grader,
-        max_steps=30,
+        max_steps=15,
         eval_interval=5,
         keep_best=truth,
         precision="fp32",
@@ -164,5 +167,5 @@ def grade(sample, item):
     first = next(r for r in rows if r[M.VAL_OVEROPTIMISATION] >= 0.05)
     best_before = max((r for r in rows if r["step"] < first["step"]), key=lambda r: r[truth])
     assert first[truth] <= best_before[truth] - 0.05 and first[M.VAL_REWARD_MEAN] > best_before[M.VAL_REWARD_MEAN]
-    assert result.best_step == max(rows, key=lambda r: r[truth])["step"] != 30
+    assert result.best_step == max(rows, key=lambda r: r[truth])["step"] != 15
     assert result.best_step is not None and result.best_step < first["step"]
