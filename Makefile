@@ -14,9 +14,16 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: demo test system-tools lint typecheck bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+# Two steps: the demo needs the service and the trainer (the train extra), the suite the test tools as well (dev).
+TRAIN_STAMP := $(VENV)/.installed-train
+
+$(TRAIN_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[train]'
+	touch $(TRAIN_STAMP)
+
+$(STAMP): $(TRAIN_STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,train]'
 	# tinker-cookbook 0.6.1 (the Tinker API's end-to-end tests run its recipes) requires tml-renderers>=0.4.1, which
 	# the package index does not have; it imports it only for Inkling and Kimi models. Its other requirements are in
@@ -24,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt --no-deps tinker-cookbook==0.6.1
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(TRAIN_STAMP)
 	$(VENV)/bin/proxima demo
 
 # The suite in two pytest-xdist workers, whole test files each (module fixtures stay in one process), one torch

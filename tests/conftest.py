@@ -10,6 +10,8 @@ import torch
 
 from tests.xdist_alone import pytest_runtest_protocol  # noqa: F401  (the hook that runs `alone` tests alone)
 
+pytest_plugins = ("tests.budget",)  # the suite's time against its budget, printed at its end
+
 REPO = Path(__file__).resolve().parent.parent
 
 
