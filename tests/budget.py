@@ -30,6 +30,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _per_file[report.nodeid.split("::")[0]] += report.duration
 
 
+@pytest.hookimpl(trylast=True)  # after the slowest durations: the last lines of the run
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
     whole = whole and not config.option.collectonly

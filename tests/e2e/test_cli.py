@@ -10,13 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ACCURACY = {
-    "type": "string_check",
-    "name": "accuracy",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.answer}}",
-    "operation": "eq",
-}
+from tests.e2e.test_learning import ACCURACY
 
 
 def proxima(

@@ -1,7 +1,7 @@
 """Learning on tiny-arith: DPO raises the held-out preference accuracy and margin of its implicit reward, supervised
 fine-tuning on correct sums lowers validation loss (the reward model's learning test is test_rlhf_learning's).
 
-Slow (tens of seconds each on 2 cores, plus the one-off tiny-arith build) but run in CI. The held-out sets are the
+Slow (a few seconds each on 2 cores) but run in CI. The held-out sets are the
 200 validation problems no training file contains; an accuracy over 200 pairs has a standard error of about 0.03.
 """
 
