@@ -36,7 +36,8 @@ demo: $(TRAIN_STAMP)
 
 # The suite in two pytest-xdist workers, whole test files each (module fixtures stay in one process), one torch
 # thread each: both cores busy (one process kept them 65 % busy). The tests that measure wall-clock time are marked
-# `alone` and run while the other worker waits (tests/xdist_alone.py). TEST_WORKERS=0 runs it in one process.
+# `alone` and run while the other worker waits (tests/xdist_alone.py). TEST_WORKERS=0 runs it in one process. Three
+# workers were tried on 2 cores: 12.0 min, as two (the cores are full; each test only took longer).
 TEST_WORKERS ?= 2
 
 test: $(STAMP) system-tools
