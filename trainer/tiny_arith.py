@@ -67,7 +67,6 @@ BUILD_INFO_FILE = "build_info.json"
 _MAX_ANSWER_TOKENS = 4
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """Everything that determines the weights besides the seed; saved in `build_info.json`."""

@@ -131,8 +131,9 @@ def test_a_flawed_reward_is_caught_over_optimised_and_the_job_keeps_the_checkpoi
     answer scores 0.5 and any larger number 1. PPO on it first learns to add, then to overshoot. Measured here (fp32,
     seeds 0, 1, 2): the truth rose 0.39 → 0.82, 0.71, 0.69 at step 5 and fell to 0.06, 0.14, 0.21 by step 30 while
     the proxy's validation rose 0.47–0.52 → 0.88–0.96; on the shipped tiny-arith the truth rose 0.37 → 0.735 at step
-    5 and fell to 0.55 at step 10 (the warning) and 0.36 at 15, where the run ends. (A proxy that only ties the truth, right or any answer from
-    100 to 199 scoring 1, did not do it reliably: on some machines PPO learned to add and stayed right.)"""
+    5 and fell to 0.55 at step 10 (the warning) and 0.36 at 15, where the run ends. (A proxy that only ties the
+    truth, right or any answer from 100 to 199 scoring 1, did not do it reliably: on some machines PPO learned to add
+    and stayed right.)"""
     larger = """
 def grade(sample, item):
     text, answer = sample["output_text"].strip(), int(item["answer"])
