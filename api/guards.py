@@ -9,7 +9,9 @@
    (chunked) is counted as it streams in and refused with a 413 as soon as the count passes the limit. The route
    then sees the client gone; the upload it was streaming to the store (``api.multipart``) leaves nothing stored.
 
-An early answer closes the connection (``connection: close``): the server reads nothing more of that body.
+An early answer closes the connection (``connection: close``): the server reads nothing more of that body. So does
+any answer a route gives before the body it was sent has ended (an upload's own limit, a line that does not parse):
+otherwise the server would keep the connection for the next request and read the rest of this one to reach it.
 """
 
 from __future__ import annotations
@@ -147,13 +149,14 @@ class RequestGuard:
 
     async def _bounded(self, scope: Scope, receive: Receive, send: Send, *, limit: int, upload: bool) -> None:
         received = 0
-        started = refused = False
+        started = refused = ended = False
 
         async def counting_receive() -> Message:
-            nonlocal received, refused
+            nonlocal received, refused, ended
             if refused:
                 return {"type": "http.disconnect"}
             message = await receive()
+            ended = ended or message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
@@ -170,9 +173,18 @@ class RequestGuard:
                 return  # the 413 went out: the app's own answer to the cut body is dropped
             if message["type"] == "http.response.start":
                 started = True
+                if not ended:  # an answer before the body's end (the route's own 413): the rest is never read
+                    message = {**message, "headers": [*_without_connection(message.get("headers", [])), CLOSE]}
             await send(message)
 
         await self.app(scope, counting_receive, guarded_send)
+
+
+CLOSE = (b"connection", b"close")
+
+
+def _without_connection(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(name, value) for name, value in headers if name.lower() != b"connection"]
 
 
 def _refusal(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
