@@ -331,6 +331,9 @@ def serve(
     if not no_worker:
         env = {**os.environ, SERVE_PID_ENV: str(os.getpid())}
         children.append(subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=env))
+    # uvicorn raises the SIGTERM it caught again once it has shut down, which with the default handler would end this
+    # process before the `finally` below stops the worker and the inference server: raised as SystemExit instead.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         # Each uvicorn worker process builds its own app through the factory.
         target: Any = serving_app() if workers == 1 else "api.cli:serving_app"
@@ -351,6 +354,10 @@ def serve(
                 child.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _start_inference(s: Any) -> subprocess.Popen[bytes]:

@@ -56,9 +56,14 @@ def server(random_model_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
             time.sleep(0.3)
         yield {**env, "SERVE_PID": str(proc.pid)}
-        # SIGTERM to `proxima serve` alone: its worker must go with it, leaving no process behind.
+        # SIGTERM to `proxima serve` alone: it stops the worker and the inference server it started before it exits
+        # (uvicorn's re-raised signal once ended it first, and they went minutes later by watching for its death),
+        # leaving no process behind.
+        children = _children(proc.pid)
+        assert len(children) == 2, children  # the worker and the inference server
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not [pid for pid in children if _running(pid)], "a child outlived proxima serve"
         deadline = time.monotonic() + 60
         while _group_alive(proc.pid):
             assert time.monotonic() < deadline, "the worker outlived proxima serve"
@@ -66,6 +71,18 @@ def server(random_model_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
     finally:
         if _group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie waiting for its parent has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _group_alive(pgid: int) -> bool:
