@@ -105,16 +105,24 @@ def test_tiny_arith_missing_from_the_store_is_installed_from_the_shipped_build_o
     assert res["n"] == 200 and res["mean_reward"] == pytest.approx(0.37, abs=0.011)
 
 
-def test_models_build_installs_the_shipped_build_once_and_prints_its_folder_last(tmp_path: Path) -> None:
-    first = proxima("models", "build", "tiny-calc", home=tmp_path)
-    assert first.returncode == 0, first.stderr
+def test_models_build_installs_the_shipped_build_once_and_prints_its_folder_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    monkeypatch.setenv("PROXIMA_HOME", str(tmp_path))
+    runner = CliRunner()
+    first = runner.invoke(app, ["models", "build", "tiny-calc"])
+    assert first.exit_code == 0, first.output
     assert first.stdout.strip().splitlines()[-1] == str(tmp_path / "models" / "tiny-calc")
     assert "installed the shipped build" in first.stderr
-    again = proxima("models", "build", "tiny-calc", home=tmp_path)
-    assert again.returncode == 0 and "the shipped build is in place" in again.stderr
+    again = runner.invoke(app, ["models", "build", "tiny-calc"])
+    assert again.exit_code == 0 and "the shipped build is in place" in again.stderr
     assert again.stdout.strip().splitlines()[-1] == str(tmp_path / "models" / "tiny-calc")
-    seeded = proxima("models", "build", "tiny-calc", "--seed", "1", home=tmp_path)
-    assert seeded.returncode == 2 and "add --from-scratch" in seeded.stderr
+    seeded = runner.invoke(app, ["models", "build", "tiny-calc", "--seed", "1"])
+    assert seeded.exit_code == 2 and "add --from-scratch" in seeded.stderr
 
 
 def test_proxima_eval_grades_with_the_deployments_judge(
