@@ -654,7 +654,7 @@ def demo(
         c = Client(base, None)
         with stages.stage("uploading the datasets", "a second"):
             files = {name: _upload(c, data / f"{name}.jsonl") for name in ("train", "validation")}
-        expected = f"about {max(5, steps // 3)} s on 2 cores with fast bf16 matmuls, a few times that without"
+        expected = f"about {max(5, steps // 3)} s on 2 cores with fast bf16 matmuls, up to twice that in fp32"
         with stages.stage(f"training: GRPO, {steps} steps of 8 prompts × 8 samples", expected):
             job = c.json("POST", "/fine_tuning/jobs", json=demo_job(files, steps))
             console.print(f"      created {job['id']}; its steps as they finish:")

@@ -276,14 +276,14 @@ def build_from_scratch(name: str, out: Path, *, seed: int, replace: bool) -> Pat
     builders = {tiny_arith.MODEL_NAME: tiny_arith.build_tiny_arith, tiny_calc.MODEL_NAME: tiny_calc.build_tiny_calc}
     if name not in builders:
         raise ModelError(f"unknown built-in model {name!r}; valid: {', '.join(BUILTIN_MODELS)}")
-    if tiny_arith.is_complete_build(out):
+    if builtin_models.is_complete_build(out):
         if not replace:
             raise ModelError(f"{out} already holds a build of {name}: pass --replace to build it again")
         shutil.rmtree(out)
     console.print(f"{name}: training with its recipe into {out} (two to four minutes on 2 cores)")
     with stage_progress(console) as progress:
         builders[name](out, seed=seed, progress=progress)
-    info = json.loads((out / tiny_arith.BUILD_INFO_FILE).read_text())
+    info = json.loads((out / builtin_models.MARKER).read_text())
     console.print(f"{name}: built in {info['build_seconds']:.0f} s; {_build_summary(name, info)}")
     expected = {f: d for f, d in builtin_models.DIGESTS[name].items() if f != builtin_models.MARKER}
     actual = {f: d for f, d in builtin_models.folder_digests(out).items() if f != builtin_models.MARKER}

@@ -42,6 +42,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from trainer.builtin_models import MARKER as BUILD_INFO_FILE
+from trainer.builtin_models import is_complete_build, refuse_foreign_directory
 from trainer.models import fast_bf16_available
 from trainer.progress import ProgressFn
 
@@ -61,7 +63,6 @@ UNK_TOKEN = "<unk>"
 # so a chat-templated user turn is exactly the prompt text the model was trained on.
 CHAT_TEMPLATE = "{%- for message in messages %}{{ message['content'] }}{%- endfor %}"
 
-BUILD_INFO_FILE = "build_info.json"
 
 # The longest answer, "198" (3 digit tokens), plus <eos>: generation never needs more.
 _MAX_ANSWER_TOKENS = 4
@@ -498,19 +499,6 @@ def _model_config(tokenizer: PreTrainedTokenizerFast, recipe: Recipe) -> LlamaCo
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
-
-
-def is_complete_build(path: Path) -> bool:
-    """True when `path` holds a finished build: the marker is written last, just before the rename."""
-    return (path / BUILD_INFO_FILE).is_file()
-
-
-def refuse_foreign_directory(out_dir: Path) -> None:
-    """Builds appear by rename, so a non-empty directory without the marker is not ours: never delete it."""
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists, is not empty and holds no {BUILD_INFO_FILE}")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a directory")
 
 
 def build_tiny_arith(

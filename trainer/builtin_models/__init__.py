@@ -76,9 +76,18 @@ class Installed:
     outcome: Outcome
     weights_sha256: str
 
-    @property
-    def is_shipped(self) -> bool:
-        return self.outcome != "kept"
+
+def is_complete_build(path: Path) -> bool:
+    """True when ``path`` holds a finished build: the marker is written last, just before the rename."""
+    return (path / MARKER).is_file()
+
+
+def refuse_foreign_directory(out_dir: Path) -> None:
+    """Builds appear by rename, so a non-empty directory without the marker is not ours: never delete it."""
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists, is not empty and holds no {MARKER}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
 
 
 def file_sha256(path: Path) -> str:
@@ -131,15 +140,18 @@ def install(name: str, store: Path, *, replace: bool = False) -> Installed:
     source = shipped(name)
     expected = _digests(name)
     target = store / name
-    if (target / MARKER).is_file():
+    if is_complete_build(target):
         actual = folder_digests(target)
         if not differences(expected, actual):
             return Installed(name, target, "present", expected[WEIGHTS])
         if not replace:
             return Installed(name, target, "kept", actual.get(WEIGHTS, ""))
         shutil.rmtree(target)
-    elif target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise BuiltinModelError(f"{target} exists, is not empty and holds no {MARKER}: not a model build, left alone")
+    else:
+        try:
+            refuse_foreign_directory(target)
+        except FileExistsError as err:
+            raise BuiltinModelError(f"{err}: not a model build, left alone") from None
     store.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=store))
     try:
@@ -149,9 +161,9 @@ def install(name: str, store: Path, *, replace: bool = False) -> Installed:
             (tmp / file).chmod(0o644)
         if bad := differences(expected, folder_digests(tmp)):
             raise BuiltinModelError(f"the copy of {name} in {store} does not match its digests: {', '.join(bad)}")
-        if target.is_dir() and not any(target.iterdir()):
-            target.rmdir()
         try:
+            if target.is_dir() and not any(target.iterdir()):
+                target.rmdir()
             tmp.rename(target)
         except OSError:
             if not is_shipped_build(target, name):  # another process's install wins only if it is ours too
@@ -166,6 +178,6 @@ def install_missing(names: list[str], store: Path) -> list[Installed]:
     there now. A store folder holding another build is left as it is."""
     done = []
     for name in names:
-        if name in BUILTIN_MODELS and not (store / name / MARKER).is_file():
+        if name in BUILTIN_MODELS and not is_complete_build(store / name):
             done.append(install(name, store))
     return done

@@ -44,7 +44,7 @@ def test_an_unknown_name_lists_the_built_in_models(tmp_path: Path) -> None:
 def test_install_copies_every_file_checked_readable_by_all_then_finds_it_present(tmp_path: Path) -> None:
     store = tmp_path / "models"
     done = install("tiny-arith", store)
-    assert (done.outcome, done.path, done.is_shipped) == ("installed", store / "tiny-arith", True)
+    assert (done.outcome, done.path) == ("installed", store / "tiny-arith")
     assert done.weights_sha256 == DIGESTS["tiny-arith"][WEIGHTS]
     assert builtin_models.folder_digests(done.path) == DIGESTS["tiny-arith"]
     assert {oct(p.stat().st_mode & 0o777) for p in done.path.iterdir()} == {"0o644"}
@@ -64,7 +64,7 @@ def test_another_build_in_the_store_is_kept_unless_replace_is_asked(tmp_path: Pa
     raw[-1] ^= 0xFF  # one byte of the last weight: another build of that name (adapters trained on it need it)
     weights.write_bytes(bytes(raw))
     kept = install("tiny-arith", store)
-    assert kept.outcome == "kept" and not kept.is_shipped
+    assert kept.outcome == "kept"
     assert kept.weights_sha256 == builtin_models.file_sha256(weights) != DIGESTS["tiny-arith"][WEIGHTS]
     assert weights.read_bytes() == bytes(raw)
     replaced = install("tiny-arith", store, replace=True)
