@@ -8,8 +8,8 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PROXIMA_HOME=/data
 WORKDIR /app
 
 # Graders run in both images (dry-runs in the API's grading processes, training in the workers): bubblewrap and
-# Debian's python3 (/usr/bin/python3) for the python grader's sandbox (trainer/sandbox.py), WordNet 3.0 for
-# text_similarity's meteor (trainer/similarity.py).
+# Debian's python3 (/usr/bin/python3) for the python grader's sandbox (trainer/grading/sandbox.py), WordNet 3.0 for
+# text_similarity's meteor (trainer/grading/similarity.py).
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap python3 wordnet-base \
     && rm -rf /var/lib/apt/lists/*
 

@@ -27,7 +27,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from api.status import TERMINAL_STATUSES, JobStatus
-from trainer import metrics as M
+from trainer.spec import metrics as M
 
 TRAINER_COMMANDS = ("train", "eval", "models", "datasets")
 
@@ -72,7 +72,7 @@ def _setup(ctx: typer.Context) -> None:
         # graders grade the same way locally.
         from api.services.graders import remote_config
         from api.settings import get_settings
-        from trainer.evaluate import configure_remote
+        from trainer.loops.evaluate import configure_remote
 
         configure_remote(remote_config(get_settings()))
 
@@ -137,7 +137,7 @@ def tools_calculator(
     """The calculator tool server (OpenAI agent RFT's function_call → function_call_output at POST /), the tool of
     tiny-calc's agent task; in the foreground until interrupted. A job's tool entry: {"name": "calculator",
     "server_url": "http://HOST:PORT/"}."""
-    from trainer import calculator_server
+    from trainer.agents import calculator_server
 
     if not 0 <= latency_ms <= calculator_server.MAX_LATENCY_S * 1000:
         console.print(f"[red]error:[/red] --latency-ms must be in 0..{calculator_server.MAX_LATENCY_S * 1000:g}")
@@ -638,7 +638,7 @@ def demo(
 ) -> None:
     """The main job end to end on the embedded default: install tiny-arith, start the service, upload the dataset,
     create a GRPO job over REST, follow it live, download the adapter, compare base and trained accuracy."""
-    from trainer import tiny_arith
+    from trainer.builtin_models import tiny_arith
     from trainer.cli import install_builtin
 
     stages = Stages(5)
@@ -736,12 +736,19 @@ def _accuracy_with_and_without(adapter_dir: Path, data: Path, grader_obj: dict[s
     """Greedy mean reward of tiny-arith alone and with the adapter (``PeftModel.from_pretrained``)."""
     from transformers.utils import logging as hf_logging
 
-    from trainer import graders, tiny_arith
+    from trainer.builtin_models import tiny_arith
     from trainer.cli import resolve_model
-    from trainer.data import load_prompts
-    from trainer.encoding import encode_prompts
-    from trainer.evaluate import evaluate
-    from trainer.models import default_device, load_adapter, load_base_model, load_tokenizer, resolve_precision
+    from trainer.generation.encoding import encode_prompts
+    from trainer.generation.models import (
+        default_device,
+        load_adapter,
+        load_base_model,
+        load_tokenizer,
+        resolve_precision,
+    )
+    from trainer.grading import graders
+    from trainer.loops.evaluate import evaluate
+    from trainer.spec.data import load_prompts
 
     hf_logging.disable_progress_bar()  # the loading bar of 38 small tensors says nothing
     g = graders.parse_grader(grader_obj)

@@ -1,5 +1,5 @@
 """Checking an upload's lines: every non-blank line a JSON object whose values the service can store and send back
-(``trainer.json_values``).
+(``trainer.spec.json_values``).
 
 Checking costs about 9 ms of CPU per MiB in Python (1 KB lines), with the GIL held: done in an API thread, a 512 MiB
 upload held the GIL for seconds and every other tenant's requests waited behind it (issue 12: tenant A's p99 went
@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import IO
 
-from trainer import json_values
+from trainer.spec import json_values
 
 IN_PROCESS_BYTES = 1 << 20
 _READ_BYTES = 1 << 20

@@ -16,7 +16,7 @@ from sqlalchemy import Row
 from api import ids
 from api.orm import Checkpoint, File, Job, JobEvent
 from api.status import JobStatus
-from trainer import config, json_values
+from trainer.spec import config, json_values
 
 T = TypeVar("T")
 
@@ -25,8 +25,8 @@ FILE_PURPOSES = ("fine-tune",)  # what a client may upload; the worker adds `fin
 
 class _Request(BaseModel):
     """A request body: unknown fields refused, and every value in it, at any depth, one the service can store and
-    send back (``trainer.json_values.check``: no NUL, no lone surrogate, no NaN or infinity, bounded nesting), so that
-    nothing is stored that PostgreSQL cannot read back and no answer fails to encode. The error names the value's
+    send back (``trainer.spec.json_values.check``: no NUL, no lone surrogate, no NaN or infinity, bounded nesting), so
+    that nothing is stored that PostgreSQL cannot read back and no answer fails to encode. The error names the value's
     path (``metadata.k``, ``method.grpo.grader.input``) and never echoes the value."""
 
     model_config = ConfigDict(extra="forbid")
@@ -113,7 +113,7 @@ class FileDeleted(BaseModel):
 
 
 class JobCreate(_Request):
-    """``POST /v1/fine_tuning/jobs``. ``method`` is validated by :func:`trainer.config.parse_spec`, which names the
+    """``POST /v1/fine_tuning/jobs``. ``method`` is validated by :func:`trainer.spec.config.parse_spec`, which names the
     offending field. OpenAI's deprecated top-level ``hyperparameters`` move under the method; ``integrations`` are
     checked by :mod:`api.services.integrations`, which names the offending field."""
 

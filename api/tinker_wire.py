@@ -25,7 +25,7 @@ import zstandard
 from google.protobuf.message import DecodeError
 
 from api.errors import InvalidRequest, PayloadTooLarge
-from trainer.tinker_types import Datum, ForwardResult, SampleResult
+from trainer.spec.tinker_types import Datum, ForwardResult, SampleResult
 
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
 DEFAULT_MAX_DECODED_BYTES = 64 * 1024 * 1024

@@ -2,13 +2,13 @@
 a time, for tool latencies of 0, 50 and 500 ms.
 
 The real pipeline, in this process: tiny-calc (from the test model cache, or ``--model-dir``) loaded as the RL
-trainer loads a policy (``trainer.engine.load_policy``: LoRA r 16 on every linear layer, fresh, so the policy is the
-base model as it is) and sampled by ``HFRolloutEngine`` in the precision the trainer picks on this machine
+trainer loads a policy (``trainer.loops.engine.load_policy``: LoRA r 16 on every linear layer, fresh, so the policy is
+the base model as it is) and sampled by ``HFRolloutEngine`` in the precision the trainer picks on this machine
 (``--precision auto``: bf16 from a merged bf16 copy where the CPU has AVX512-BF16 or AMX, else fp32);
-``EpisodeRunner`` built as ``trainer.agent.AgentRollouts`` builds it (the template's tool-call parser, an episode
+``EpisodeRunner`` built as ``trainer.loops.agent.AgentRollouts`` builds it (the template's tool-call parser, an episode
 budget of ``--max-tokens`` for every turn and in all, ``--max-episode-steps`` turns); ``HttpToolExecutor`` over real
 HTTP (loopback allowed, ``concurrency`` at least the batch size) to the built-in calculator server
-(``trainer.calculator_server``), one uvicorn server per latency in a thread of this process, each delaying every
+(``trainer.agents.calculator_server``), one uvicorn server per latency in a thread of this process, each delaying every
 answer by its artificial latency.
 
 A batch is like a training step's: ``--prompts`` tiny-calc questions × ``--samples`` episodes each (8 × 8 = 64) at
@@ -57,19 +57,19 @@ import torch
 import uvicorn
 from transformers import PreTrainedTokenizerBase
 
-from trainer import calculator_server, tiny_calc
-from trainer.agent_spec import ToolSpec
-from trainer.builtin_models import shipped
-from trainer.config import LoraSpec
-from trainer.data import PromptItem
-from trainer.encoding import encode_prompts
-from trainer.engine import load_policy
-from trainer.episodes import Episode, EpisodeConfig, EpisodeRunner, ToolOutcome
-from trainer.generation import Generation, HFRolloutEngine, RolloutEngine, SamplingParams
-from trainer.models import default_device, load_tokenizer, resolve_precision
-from trainer.remote_graders import RemoteConfig
-from trainer.tool_calls import ToolCall, parser_for
-from trainer.tools import HttpToolExecutor
+from trainer.agents import calculator_server
+from trainer.agents.episodes import Episode, EpisodeConfig, EpisodeRunner, ToolOutcome
+from trainer.agents.tool_calls import ToolCall, parser_for
+from trainer.agents.tools import HttpToolExecutor
+from trainer.builtin_models import shipped, tiny_calc
+from trainer.generation.encoding import encode_prompts
+from trainer.generation.models import default_device, load_tokenizer, resolve_precision
+from trainer.generation.rollout_engine import Generation, HFRolloutEngine, RolloutEngine, SamplingParams
+from trainer.grading.remote_graders import RemoteConfig
+from trainer.loops.engine import load_policy
+from trainer.spec.agent_spec import ToolSpec
+from trainer.spec.config import LoraSpec
+from trainer.spec.data import PromptItem
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_LATENCY_MS = 500.0  # serial windows at this latency or more run --slow-serial-batches batches
@@ -105,7 +105,7 @@ def _cpu_name() -> str:
 
 
 class TimedEngine:
-    """A :class:`~trainer.generation.RolloutEngine` that adds up the wall time of its ``generate`` calls."""
+    """A :class:`~trainer.generation.rollout_engine.RolloutEngine` adding up the wall time of its ``generate`` calls."""
 
     def __init__(self, inner: RolloutEngine) -> None:
         self.inner = inner
@@ -129,7 +129,7 @@ class TimedEngine:
 
 
 class TimedExecutor:
-    """A :class:`~trainer.episodes.ToolExecutor` that records when each call was in flight (thread-safe)."""
+    """A :class:`~trainer.agents.episodes.ToolExecutor` that records when each call was in flight (thread-safe)."""
 
     def __init__(self, inner: HttpToolExecutor) -> None:
         self.inner = inner

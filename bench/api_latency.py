@@ -487,7 +487,7 @@ def main() -> None:
 def post_to_running(env: dict[str, str], home: Path, base: str, key: str) -> tuple[float, str]:
     """Seconds from `POST /v1/fine_tuning/jobs` to the job's first status after `queued` (`running`), with one
     idle worker; and that status."""
-    from trainer.tiny_arith import build_tiny_arith, write_arithmetic_datasets
+    from trainer.builtin_models.tiny_arith import build_tiny_arith, write_arithmetic_datasets
 
     built = Path.home() / ".proxima" / "models" / "tiny-arith"  # reuse a build when there is one
     if built.is_dir():

@@ -1,6 +1,6 @@
-"""Generation against the matmul floor: the RL loop's sampling (``trainer.generation.HFRolloutEngine``: the merged
-bf16 copy in bf16, the policy itself in fp32) on the benchmarks' model and batch (``common.py``: 8 prompts × 8
-samples, exactly 32 new tokens), and the time the decode steps' matrix products alone take on this machine.
+"""Generation against the matmul floor: the RL loop's sampling (``trainer.generation.rollout_engine.HFRolloutEngine``:
+the merged bf16 copy in bf16, the policy itself in fp32) on the benchmarks' model and batch (``common.py``: 8 prompts ×
+8 samples, exactly 32 new tokens), and the time the decode steps' matrix products alone take on this machine.
 
     python bench/decode.py --model small --precision bf16 --rounds 5
 
@@ -60,9 +60,9 @@ def worker(model_dir: Path, prompts: Path, precision: str, gens: int, warmup: in
     import torch
     from transformers import AutoTokenizer
 
-    from trainer.config import LoraSpec
-    from trainer.engine import load_policy
-    from trainer.generation import HFRolloutEngine, SamplingParams
+    from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
+    from trainer.loops.engine import load_policy
+    from trainer.spec.config import LoraSpec
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = [json.loads(ln)["prompt"] for ln in prompts.read_text().splitlines() if ln.strip()]

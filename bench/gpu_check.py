@@ -75,9 +75,9 @@ def check(name: str, raw: dict[str, Any], out: Path) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer.callbacks import BaseCallback
-    from trainer.config import parse_spec
-    from trainer.models import autocast
+    from trainer.generation.models import autocast
+    from trainer.spec.callbacks import BaseCallback
+    from trainer.spec.config import parse_spec
     from trainer.train import build_trainer
 
     rows: list[dict[str, float]] = []
@@ -129,9 +129,9 @@ def check_joined_passes(raw: dict[str, Any], out: Path, reps: int = 5) -> None:
 
     import torch
 
-    from trainer.callbacks import BaseCallback
-    from trainer.config import parse_spec
-    from trainer.rl import RLTrainer
+    from trainer.loops.rl import RLTrainer
+    from trainer.spec.callbacks import BaseCallback
+    from trainer.spec.config import parse_spec
 
     t = RLTrainer(parse_spec(raw), output_dir=out, callback=BaseCallback(), device=torch.device(DEVICE))
     critic = t.critic

@@ -28,8 +28,8 @@ Model FLOPs per step (MFU's numerator; padding excluded, attention-score FLOPs l
     backward      2·N·T + 2·H·B·C + 4·N_L·T                  (frozen weights need only input gradients; LoRA both)
 MFU = the FLOPs a side runs per step / (seconds per step × the machine's measured matmul rate at that precision), the
 rate measured at startup with a 2048³ matmul (fp32 tensors for fp32, bf16 tensors for bf16). TRL runs the formulas
-above; ours runs each group's prompt once (in the prefill and the three passes: ``trainer.rollout``'s shared prompt
-forward), i.e. the same formulas with p / GROUP in place of p.
+above; ours runs each group's prompt once (in the prefill and the three passes: ``trainer.generation.rollout``'s shared
+prompt forward), i.e. the same formulas with p / GROUP in place of p.
 
 Run:  .venv/bin/python bench/grpo_vs_trl.py --model small --precision bf16
 """
@@ -112,8 +112,8 @@ def matmul_gflops(dtype_name: str, size: int = 2048, seconds: float = 1.5) -> fl
 
 
 def our_spec(model_dir: Path, prompts: Path, precision: str, *, max_steps: int, compile_decode: str = "auto") -> Any:
-    """The benchmark run as our job spec (a :class:`trainer.config.JobSpec`)."""
-    from trainer.config import parse_spec
+    """The benchmark run as our job spec (a :class:`trainer.spec.config.JobSpec`)."""
+    from trainer.spec.config import parse_spec
 
     return parse_spec(
         {
@@ -154,11 +154,11 @@ def run_ours(
 ) -> dict[str, Any]:
     import torch
 
-    import trainer.critic as critic_mod
-    import trainer.engine as engine_mod
-    import trainer.generation as generation_mod
-    import trainer.rl as rl
-    from trainer.callbacks import BaseCallback
+    import trainer.generation.rollout_engine as generation_mod
+    import trainer.loops.critic as critic_mod
+    import trainer.loops.engine as engine_mod
+    import trainer.loops.rl as rl
+    from trainer.spec.callbacks import BaseCallback
 
     phases = PhaseTimer()
     clock = StepClock(warmup, phases)
@@ -210,7 +210,7 @@ def run_trl(
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer import graders
+    from trainer.grading import graders
 
     phases = PhaseTimer()
     clock = StepClock(warmup, phases)

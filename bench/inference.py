@@ -58,8 +58,8 @@ def _free_port() -> int:
 def make_adapter(model_dir: Path, out: Path) -> Path:
     import torch
 
-    from trainer.config import LoraSpec
-    from trainer.models import add_lora, load_base_model
+    from trainer.generation.models import add_lora, load_base_model
+    from trainer.spec.config import LoraSpec
 
     model = add_lora(load_base_model(str(model_dir), torch.device("cpu")), LoraSpec(r=16, alpha=32.0), seed=0)
     g = torch.Generator().manual_seed(0)

@@ -3,8 +3,9 @@ tokens): the choices behind the trainer's defaults, each pair alternating in one
 ``--reps`` repetitions after a first uncounted one.
 
 - ``lora``: a policy's forward with the graph, its backward, and a no-grad forward, with PEFT's LoRA linear
-  forward against ours (``trainer/lora_forward.py``), and the largest log-prob difference between them;
-- ``attention``: the same passes with eager attention, grouped attention (``trainer/attention.py``: eager's maths
+  forward against ours (``trainer/generation/lora_forward.py``), and the largest log-prob difference between them;
+- ``attention``: the same passes with eager attention, grouped attention (``trainer/generation/attention.py``: eager's
+maths
   without copying the key/value heads) and SDPA (the bf16 training passes on a CPU run grouped where they can, else
   eager);
 - ``critic``: PPO's adapter critic, its passes apart against joined to the policy's (the update's forward and
@@ -53,11 +54,11 @@ def main() -> None:
     import torch
     from peft.tuners.lora import Linear as LoraLinear
 
-    from trainer.config import LoraSpec
-    from trainer.critic import Critic
-    from trainer.engine import load_policy
-    from trainer.lora_forward import _forward, install
-    from trainer.rollout import Rollout, completion_logprobs
+    from trainer.generation.lora_forward import _forward, install
+    from trainer.generation.rollout import Rollout, completion_logprobs
+    from trainer.loops.critic import Critic
+    from trainer.loops.engine import load_policy
+    from trainer.spec.config import LoraSpec
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -124,9 +125,9 @@ def main() -> None:
 
             return setup
 
-        from trainer.attention import GROUPED, use_grouped_attention
+        from trainer.generation.attention import GROUPED, use_grouped_attention
 
-        trainers = cfg._attn_implementation  # what the trainer chose (trainer.engine.cpu_bf16_attention)
+        trainers = cfg._attn_implementation  # what the trainer chose (trainer.loops.engine.cpu_bf16_attention)
         use_grouped_attention(model.get_base_model())  # registers it (and switches to it where it can)
         res = alternate(
             passes("eager", impl("eager")) | passes("grouped", impl(GROUPED)) | passes("sdpa", impl("sdpa")), a.reps

@@ -177,8 +177,8 @@ def build_reward_model(workdir: Path, model_dir: Path, prompts: Path) -> Path:
     out = workdir / f"rm-last-{model_dir.name}"
     if (out / "adapter" / "reward_model.json").exists():
         return out / "adapter"
-    from trainer.callbacks import BaseCallback
-    from trainer.config import parse_spec
+    from trainer.spec.callbacks import BaseCallback
+    from trainer.spec.config import parse_spec
     from trainer.train import build_trainer
 
     rng = random.Random(SEED)
@@ -222,9 +222,9 @@ def build_reward_model(workdir: Path, model_dir: Path, prompts: Path) -> Path:
 def our_spec(
     model_dir: Path, prompts: Path, precision: str, *, max_steps: int, critic: str, reward_model: Path | None = None
 ) -> Any:
-    """The benchmark run as our job spec (a :class:`trainer.config.JobSpec`). With ``reward_model`` (``--trl ppo``)
+    """The benchmark run as our job spec (a :class:`trainer.spec.config.JobSpec`). With ``reward_model`` (``--trl ppo``)
     the reward is that model's score and a step is PPO's usual 64 prompts × 1 sample (TRL's PPO has no groups)."""
-    from trainer.config import parse_spec
+    from trainer.spec.config import parse_spec
 
     grader: dict[str, Any] = GRADER
     batch, group = BATCH_PROMPTS, GROUP
@@ -281,12 +281,12 @@ def run_ours(
 ) -> dict[str, Any]:
     import torch
 
-    import trainer.critic as critic_mod
-    import trainer.engine as engine_mod
-    import trainer.generation as generation_mod
-    import trainer.rl as rl
-    from trainer.callbacks import BaseCallback
-    from trainer.critic import Critic
+    import trainer.generation.rollout_engine as generation_mod
+    import trainer.loops.critic as critic_mod
+    import trainer.loops.engine as engine_mod
+    import trainer.loops.rl as rl
+    from trainer.loops.critic import Critic
+    from trainer.spec.callbacks import BaseCallback
 
     phases = PhaseTimer()
     clock = StepClock(warmup, phases)
@@ -355,7 +355,7 @@ def run_trl(
     from transformers import AutoTokenizer, TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
-    from trainer import graders
+    from trainer.grading import graders
 
     phases = PhaseTimer()
     clock = StepClock(warmup, phases)

@@ -1,11 +1,11 @@
 """The python grader's cost and learning against string_check (issue 13): GRPO on tiny-arith, the same seed and steps,
 graded once by `string_check` (exact match with the item's answer) and once by a `python` grader computing the same
-score in the sandbox (trainer.sandbox: one bubblewrap sandbox per batch).
+score in the sandbox (trainer.grading.sandbox: one bubblewrap sandbox per batch).
 
 Both graders give every sample the same score, so both runs sample the same completions and take the same updates:
 their held-out accuracies must agree, and the difference of their step times is the python grader's cost. Each side
 runs in its own subprocess (the script re-run with ``--worker``), alternating which goes first from round to round;
-the grading time is measured directly too (the wall time of `trainer.rl.grade_batch`, wrapped). Each run waits for
+the grading time is measured directly too (the wall time of `trainer.loops.rl.grade_batch`, wrapped). Each run waits for
 the 1-minute load average to fall below 1 (at most 5 minutes), and ``/proc/loadavg`` is read before and after it.
 
     .venv/bin/python bench/python_grader.py --rounds 3 --steps 40
@@ -51,11 +51,11 @@ def worker(side: str, steps: int, seed: int) -> None:
     """One training run; prints one RESULT line of JSON."""
     import torch
 
-    from trainer import rl
     from trainer.builtin_models import shipped
-    from trainer.callbacks import JsonlFiles
-    from trainer.config import parse_spec
-    from trainer.tiny_arith import write_arithmetic_datasets
+    from trainer.builtin_models.tiny_arith import write_arithmetic_datasets
+    from trainer.loops import rl
+    from trainer.spec.callbacks import JsonlFiles
+    from trainer.spec.config import parse_spec
     from trainer.train import train
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -102,7 +102,7 @@ def worker(side: str, steps: int, seed: int) -> None:
     rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if r["step"] >= 1]
     # The validation steps (the last) grade 200 held-out prompts on top: the step time of the others is the training
-    # step's. `grading` holds the training batches' grading (validation grades through trainer.evaluate directly).
+    # step's. `grading` holds the training batches' grading (validation grades through trainer.loops.evaluate directly).
     plain = [r["time/step_s"] for r in trained if "val/reward/mean" not in r]
     print(
         "RESULT "

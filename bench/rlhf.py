@@ -26,13 +26,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import metrics as M
 from trainer.builtin_models import shipped
-from trainer.callbacks import JsonlFiles
-from trainer.config import parse_spec
-from trainer.data import load_preferences
-from trainer.reward_model import RewardModel
-from trainer.tiny_arith import write_arithmetic_datasets
+from trainer.builtin_models.tiny_arith import write_arithmetic_datasets
+from trainer.loops.reward_model import RewardModel
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import JsonlFiles
+from trainer.spec.config import parse_spec
+from trainer.spec.data import load_preferences
 from trainer.train import train
 
 ACCURACY = {

@@ -42,7 +42,7 @@ PROMPTS, GROUP, COMPLETION = 2, 4, 16
 
 def spec(model_dir: Path, prompts: Path, *, side: str, max_steps: int) -> Any:
     """``grpo_vs_trl.py``'s job in fp32 on this benchmark's smaller batch, on two ranks as ``side`` places the base."""
-    from trainer.config import Resources
+    from trainer.spec.config import Resources
 
     job = our_spec(model_dir, prompts, "fp32", max_steps=max_steps)
     smaller = {"batch_size": PROMPTS, "group_size": GROUP, "min_completion_tokens": COMPLETION,
@@ -56,9 +56,9 @@ def rank(side: str, model_dir: Path, prompts: Path, steps: int, warmup: int, out
     """One rank of a side's run (under torch's launcher): its figures to ``out/rank<N>.json``."""
     import torch
 
-    from trainer import distributed
-    from trainer.callbacks import BaseCallback
-    from trainer.rl import RLTrainer
+    from trainer.generation import distributed
+    from trainer.loops.rl import RLTrainer
+    from trainer.spec.callbacks import BaseCallback
 
     world = distributed.from_environment()
     distributed.initialise(world)

@@ -1,6 +1,6 @@
 """What loading a sharded base costs each rank's host memory (``resources.shard_base``): two ranks over gloo load a
-LoRA policy and shard its frozen base (``trainer.distributed.shard_frozen_base``), with every rank reading the
-weights (``all``, as before 0e90a56) or rank 0 alone, the other on the meta device receiving its shard (``rank0``,
+LoRA policy and shard its frozen base (``trainer.generation.distributed.shard_frozen_base``), with every rank reading
+the weights (``all``, as before 0e90a56) or rank 0 alone, the other on the meta device receiving its shard (``rank0``,
 what the trainer does). Each rank reports its peak RSS (``VmHWM``) before the load and after the sharding; then,
 outside the measurement, the sharded policy's logits on a fixed batch against a whole copy's (the benchmarks'
 models tie the LM head to the embeddings: the meta load handles the tie). The sides alternate, one launch each.
@@ -23,9 +23,9 @@ from common import DEFAULT_WORKDIR, build_assets, loadavg, peak_rss_mib
 def rank(model_dir: str, side: str) -> None:
     import torch
 
-    from trainer import distributed
-    from trainer.config import LoraSpec
-    from trainer.engine import load_policy
+    from trainer.generation import distributed
+    from trainer.loops.engine import load_policy
+    from trainer.spec.config import LoraSpec
 
     world = distributed.from_environment()
     distributed.initialise(world)

@@ -45,11 +45,11 @@ def _specs(model: str, data: Path) -> dict[str, dict[str, Any]]:
 
 
 def record(out: Path) -> None:
-    from trainer import metrics as M
-    from trainer.callbacks import JsonlFiles
+    from trainer.builtin_models.tiny_arith import write_arithmetic_datasets
     from trainer.cli import resolve_model
-    from trainer.config import parse_spec
-    from trainer.tiny_arith import write_arithmetic_datasets
+    from trainer.spec import metrics as M
+    from trainer.spec.callbacks import JsonlFiles
+    from trainer.spec.config import parse_spec
     from trainer.train import train
 
     results: dict[str, list[dict[str, float]]] = {}

@@ -1,5 +1,5 @@
 """The Tinker protocol's overhead (issue 17): one ``forward_backward`` + ``optim_step`` through the official SDK, the
-API, PostgreSQL and a worker's session process, against the same two calls on ``trainer.tinker_session`` in this
+API, PostgreSQL and a worker's session process, against the same two calls on ``trainer.serving.tinker_session`` in this
 process, on the small benchmark model (bench/common.py). Sides alternate; a round starts once the 1-minute load is
 below ``--max-load`` (1.0; a round that cannot is tried again later) and the load is printed for each side.
 
@@ -43,8 +43,8 @@ def batch(vocab: int, seed: int) -> list[tuple[list[int], list[int], list[float]
 
 
 def in_process(model_dir: Path, rows: list[Any], steps: int) -> list[float]:
-    from trainer.tinker_session import TrainingSession
-    from trainer.tinker_types import AdamParams, Datum, LoraChoice
+    from trainer.serving.tinker_session import TrainingSession
+    from trainer.spec.tinker_types import AdamParams, Datum, LoraChoice
 
     session = TrainingSession(str(model_dir), LoraChoice(rank=RANK), device=torch.device("cpu"), precision="fp32")
     data = [Datum(np.array(t), {"target_tokens": np.array(g), "weights": np.array(w, np.float32)}) for t, g, w in rows]

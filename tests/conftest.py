@@ -49,7 +49,7 @@ def save_random_llama(out: Path, tok: Any, *, max_positions: int = 64) -> Path:
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised 2-layer Llama with the tiny-arith tokenizer: fast plumbing tests, no learning."""
-    from trainer.tiny_arith import build_tokenizer
+    from trainer.builtin_models.tiny_arith import build_tokenizer
 
     return save_random_llama(tmp_path_factory.mktemp("random-llama"), build_tokenizer())
 
@@ -57,14 +57,14 @@ def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def random_calc_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised 2-layer Llama with tiny-calc's tokenizer and chat template (Hermes tool calls)."""
-    from trainer.tiny_calc import build_tokenizer
+    from trainer.builtin_models.tiny_calc import build_tokenizer
 
     return save_random_llama(tmp_path_factory.mktemp("random-calc"), build_tokenizer(), max_positions=128)
 
 
 @pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer.tiny_arith import write_arithmetic_datasets
+    from trainer.builtin_models.tiny_arith import write_arithmetic_datasets
 
     out = tmp_path_factory.mktemp("arith-data")
     write_arithmetic_datasets(out)

@@ -1,5 +1,5 @@
-"""Grading processes that misbehave on purpose, for the tests of trainer.grading_pool and the API's dry-runs: the real
-protocol (`trainer.grading_pool.serve`) with a `graders.grade` that, for some outputs, hangs in a C call holding the
+"""Grading processes that misbehave on purpose, for the tests of trainer.grading.pool and the API's dry-runs: the real
+protocol (`trainer.grading.pool.serve`) with a `graders.grade` that, for some outputs, hangs in a C call holding the
 GIL or kills its own process."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import sys
 
 _MISBEHAVING = """
 import os, re
-from trainer import graders, grading_pool
+from trainer.grading import graders
+from trainer.grading import pool as grading_pool
 
 _grade = graders.grade
 

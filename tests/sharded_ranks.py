@@ -1,6 +1,6 @@
 """Run by ``torch.distributed.run`` from tests/e2e/test_data_parallel.py: each rank shards a LoRA policy's frozen base
-(``trainer.distributed.shard_frozen_base``) and checks it against the same policy unsharded, writing what it found
-to ``<out>/rank<N>.json``. Arguments: model folder, precision, out folder."""
+(``trainer.generation.distributed.shard_frozen_base``) and checks it against the same policy unsharded, writing what it
+found to ``<out>/rank<N>.json``. Arguments: model folder, precision, out folder."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer import distributed
-from trainer.config import LoraSpec
-from trainer.engine import load_policy
-from trainer.generation import HFRolloutEngine, SamplingParams
-from trainer.models import autocast
-from trainer.rollout import generate, left_pad
-from trainer.tiny_arith import build_tokenizer
+from trainer.builtin_models.tiny_arith import build_tokenizer
+from trainer.generation.models import autocast
+from trainer.generation.rollout import generate, left_pad
+from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams, distributed
+from trainer.loops.engine import load_policy
+from trainer.spec.config import LoraSpec
 
 
 def main(model: str, precision: str, out: Path) -> None:

@@ -14,13 +14,14 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from trainer import builtin_models, graders
-from trainer import metrics as M
-from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
-from trainer.config import JobSpec, SpecError, load_spec
-from trainer.data import DatasetError, load_prompts
-from trainer.models import ModelError
-from trainer.names import BUILTIN_MODELS
+from trainer import builtin_models
+from trainer.generation.models import ModelError
+from trainer.grading import graders
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import BaseCallback, Callbacks, JsonlFiles
+from trainer.spec.config import JobSpec, SpecError, load_spec
+from trainer.spec.data import DatasetError, load_prompts
+from trainer.spec.names import BUILTIN_MODELS
 
 app = typer.Typer(
     help="Proxima: reinforcement-learning fine-tuning of language models with LoRA.", no_args_is_help=True
@@ -97,7 +98,8 @@ class ProgressBar(BaseCallback):
 
 def run_training(spec: JobSpec, output: Path, *, resume: bool = False, quiet: bool = False) -> Any:
     """Run a spec locally with files under ``output`` and a progress bar; returns the trainer's RunResult."""
-    from trainer import checkpoint, distributed
+    from trainer.generation import distributed
+    from trainer.loops import checkpoint
     from trainer.train import build_trainer
 
     world = distributed.from_environment()  # one rank of several when `train` relaunched itself (resources.gpus)
@@ -177,9 +179,15 @@ def eval_cmd(
     """Mean reward of a model (and adapter) on a dataset."""
     import torch
 
-    from trainer.encoding import PromptTooLongError, encode_prompts
-    from trainer.evaluate import evaluate
-    from trainer.models import default_device, load_adapter, load_base_model, load_tokenizer, resolve_precision
+    from trainer.generation.encoding import PromptTooLongError, encode_prompts
+    from trainer.generation.models import (
+        default_device,
+        load_adapter,
+        load_base_model,
+        load_tokenizer,
+        resolve_precision,
+    )
+    from trainer.loops.evaluate import evaluate
 
     try:
         g = graders.parse_grader(_read_json(grader))
@@ -270,8 +278,8 @@ def install_builtin(name: str, *, replace: bool = False) -> builtin_models.Insta
 def build_from_scratch(name: str, out: Path, *, seed: int, replace: bool) -> Path:
     """Train ``name`` with its recipe into ``out`` (minutes; progress as it goes), then say whether it reproduced the
     shipped build's files."""
-    from trainer import tiny_arith, tiny_calc
-    from trainer.progress import stage_progress
+    from trainer.builtin_models import tiny_arith, tiny_calc
+    from trainer.spec.progress import stage_progress
 
     builders = {tiny_arith.MODEL_NAME: tiny_arith.build_tiny_arith, tiny_calc.MODEL_NAME: tiny_calc.build_tiny_calc}
     if name not in builders:
@@ -318,7 +326,7 @@ def datasets_arithmetic(
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Write the tiny-arith task's datasets: train.jsonl, validation.jsonl, preferences.jsonl."""
-    from trainer import tiny_arith
+    from trainer.builtin_models import tiny_arith
 
     for path in tiny_arith.write_arithmetic_datasets(out, seed=seed).values():
         print(path)
@@ -331,7 +339,7 @@ def datasets_calculator(
 ) -> None:
     """Write the tiny-calc agent task's datasets (three-number sums with their answers): train.jsonl,
     validation.jsonl."""
-    from trainer import tiny_calc
+    from trainer.builtin_models import tiny_calc
 
     for path in tiny_calc.write_calculator_datasets(out, seed=seed):
         print(path)

@@ -10,7 +10,7 @@ Pure functions of what the worker has seen (no clock, no torch), refined at ever
 - ``t_eval``: what a validation run adds to its step, the median over the latest steps that ran one of
   (``time/step_s`` − ``t_step``), 0 until one has run;
 - ``t_checkpoint``: the median of the latest checkpoints' measured times, 0 until one has been written;
-- the validation and checkpoint cadence as the trainer follows it (``trainer.steps``): a validation every
+- the validation and checkpoint cadence as the trainer follows it (``trainer.loops.steps``): a validation every
   ``eval_interval`` steps and at the last step (when the job has validation data), a checkpoint every
   ``checkpoint_interval`` steps and at the last step.
 """
@@ -48,13 +48,13 @@ class Cadence:
 
 def ran_validation(metrics: Mapping[str, object]) -> bool:
     """Whether a step ran a validation: its metrics hold a validation series (``val/…``, as
-    ``trainer.metrics.validation`` names them)."""
+    ``trainer.spec.metrics.validation`` names them)."""
     return any(name.startswith(VALIDATION_PREFIX) for name in metrics)
 
 
 def due_between(done: int, total: int, interval: int) -> int:
     """Steps s in (done, total] at which something runs every ``interval`` steps (0: never in between) and at the
-    last step: ``trainer.steps.validation_due``'s and the checkpoint cadence's count."""
+    last step: ``trainer.loops.steps.validation_due``'s and the checkpoint cadence's count."""
     if done >= total:
         return 0
     every = total // interval - done // interval if interval else 0

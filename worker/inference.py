@@ -3,8 +3,8 @@
 It speaks the subset of vLLM's OpenAI-compatible API that the internal inference contract names, so that the API can
 point ``PROXIMA_INFERENCE_URL`` at it or at vLLM: ``GET /health``, ``GET /v1/models``, ``POST /v1/load_lora_adapter``
 and ``/v1/unload_lora_adapter``, ``POST /v1/chat/completions`` and ``/v1/completions`` in OpenAI's shapes (streamed
-as server-sent events with ``stream: true``), errors in OpenAI's envelope. The work is ``trainer.serving``'s engine;
-this module parses, checks and renders.
+as server-sent events with ``stream: true``), errors in OpenAI's envelope. The work is ``trainer.serving.inference``'s
+engine; this module parses, checks and renders.
 
 Adapters are registered by name with ``lora_path`` either an artifact-store key of a PEFT adapter ``.tar.gz``
 archive (fetched from ``PROXIMA_ARTIFACTS`` and extracted once into ``<PROXIMA_HOME>/inference/adapters/``: store
@@ -41,8 +41,8 @@ from transformers.utils import logging as hf_logging
 from api.errors import ApiError, InvalidRequest, Unauthorized, error_json
 from api.settings import Settings
 from api.storage import ArtifactStore, NotFound, StorageError, validate_key
-from trainer.models import ModelError, default_device, resolve_precision
-from trainer.serving import (
+from trainer.generation.models import ModelError, default_device, resolve_precision
+from trainer.serving.inference import (
     EngineError,
     Event,
     Failed,
@@ -245,7 +245,7 @@ def resolved_models(settings: Settings) -> tuple[dict[str, str], dict[str, str]]
 
 
 def build_engine(settings: Settings, models: dict[str, str]) -> InferenceEngine:
-    """The engine on this machine's device, at the precision the trainer picks here (``trainer.models``)."""
+    """The engine on this machine's device, at the precision the trainer picks here (``trainer.generation.models``)."""
     device = default_device()
     return InferenceEngine(
         models,

@@ -1,6 +1,7 @@
 """A job's trainer on several devices: ``python -m worker.launch N RUN_DIR`` runs ``python -m worker.runner RUN_DIR``
 as N ranks under torch's elastic launcher (``torch.distributed.run``: one node, no restarts), one rank per device
-(``trainer.distributed``). The worker starts it instead of the runner when a job asks for ``resources.gpus`` > 1.
+(``trainer.generation.distributed``). The worker starts it instead of the runner when a job asks for ``resources.gpus``
+> 1.
 
 - The ranks inherit this process's standard streams: rank 0 talks to the worker as a lone trainer does (messages on
   stdout, the control channel on stdin); the other ranks send only their errors and never read stdin.

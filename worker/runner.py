@@ -18,9 +18,10 @@ An unexpected error is reported as ``trainer_error`` with the exception's class 
 stderr, which the worker writes to its own log, never to the job.
 
 ``RUN_DIR/spec.json`` holds the spec with local paths; ``RUN_DIR/checkpoints/`` may hold the checkpoint to resume.
-The deployment's remote graders (judge, embeddings, endpoint URL policy: ``trainer.remote_graders.RemoteConfig``, API
-keys included) come as JSON in the environment variable ``REMOTE_GRADERS_ENV``, which the runner removes from its
-environment as it starts, so that no process it starts (grading processes, sandboxes) inherits the keys.
+The deployment's remote graders (judge, embeddings, endpoint URL policy:
+``trainer.grading.remote_graders.RemoteConfig``, API keys included) come as JSON in the environment variable
+``REMOTE_GRADERS_ENV``, which the runner removes from its environment as it starts, so that no process it starts
+(grading processes, sandboxes) inherits the keys.
 
 Test-only: ``PROXIMA_TEST_TRAINER_HANG=start`` in its environment makes the trainer stuck from its start, as a step
 stuck in native code would be: it ignores SIGTERM and blocks holding the GIL, so that neither a stop request nor its
@@ -60,12 +61,12 @@ def trainer_error_codes() -> dict[type[BaseException], ErrorCode]:
     start (and open its message channel) before the trainer's imports, whose own failures it reports."""
     import torch
 
-    from trainer.config import SpecError
-    from trainer.data import DatasetError
-    from trainer.graders import GraderError, GraderFailed
-    from trainer.models import ModelError
-    from trainer.sandbox import SandboxUnavailable
-    from trainer.tools import EnvironmentFailed
+    from trainer.agents.tools import EnvironmentFailed
+    from trainer.generation.models import ModelError
+    from trainer.grading.graders import GraderError, GraderFailed
+    from trainer.grading.sandbox import SandboxUnavailable
+    from trainer.spec.config import SpecError
+    from trainer.spec.data import DatasetError
 
     return {
         MemoryError: ErrorCode.OUT_OF_MEMORY,
@@ -143,7 +144,7 @@ def summary(err: BaseException) -> str:
 def _make_callback(pipe: Pipe, stop: threading.Event, progress: Progress, world: Any) -> Any:
     """Rank 0's callback talks to the parent; another rank's says nothing. Every rank asks rank 0 whether to stop, at
     the same step boundary (a collective: they stop together)."""
-    from trainer.callbacks import BaseCallback, Level
+    from trainer.spec.callbacks import BaseCallback, Level
 
     if not world.main:
 
@@ -212,11 +213,11 @@ def main(run_dir: Path) -> int:
     try:
         from transformers.utils import logging as hf_logging
 
-        from trainer import distributed
-        from trainer.config import parse_spec
-        from trainer.evaluate import configure_remote
-        from trainer.models import ModelError
-        from trainer.remote_graders import RemoteConfig
+        from trainer.generation import distributed
+        from trainer.generation.models import ModelError
+        from trainer.grading.remote_graders import RemoteConfig
+        from trainer.loops.evaluate import configure_remote
+        from trainer.spec.config import parse_spec
         from trainer.train import build_trainer
 
         hf_logging.disable_progress_bar()

@@ -2,8 +2,8 @@
 that leased the session (``worker.sessions``) and killed with it (the kernel's parent-death signal).
 
 It reads requests from stdin and writes answers to stdout, each a frame of ``worker.frames``. The first request
-loads the model; then each runs one operation of ``trainer.tinker_session.TrainingSession``. The worker does every
-database and artifact-store write; this process reads and writes only the local folders it is given.
+loads the model; then each runs one operation of ``trainer.serving.tinker_session.TrainingSession``. The worker does
+every database and artifact-store write; this process reads and writes only the local folders it is given.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from api.tinker_wire import WireError, decode_forward_backward, encode_forward_backward_output, encode_sample_response
-from trainer.config import SpecError
-from trainer.models import ModelError, default_device, resolve_precision
-from trainer.tinker_session import SessionInputError, TrainingSession, batch_key
-from trainer.tinker_types import AdamParams, LoraChoice, SampleParams
+from trainer.generation.models import ModelError, default_device, resolve_precision
+from trainer.serving.tinker_session import SessionInputError, TrainingSession, batch_key
+from trainer.spec.config import SpecError
+from trainer.spec.tinker_types import AdamParams, LoraChoice, SampleParams
 from worker.frames import read_frame, write_frame
 from worker.runner import die_with_parent
 
@@ -78,7 +78,7 @@ class Server:
     def op_sample_many(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Sample requests on one set of weights (``weights``: "base", or ``snapshot_key`` and its folder ``dir``):
         each checked alone (a bad one is answered alone, category user), those whose settings agree
-        (``trainer.tinker_session.batch_key``) sampled in one generation. Answers in the requests' order."""
+        (``trainer.serving.tinker_session.batch_key``) sampled in one generation. Answers in the requests' order."""
         weights: Any = msg.get("weights", "current")
         if msg.get("snapshot_key"):
             weights = self._snapshot(msg["snapshot_key"], Path(msg["dir"]))

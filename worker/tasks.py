@@ -57,8 +57,8 @@ from api.status import JobStatus
 from api.storage import ArtifactStore, NotFound, StoreFull, store_from_url
 from api.tasks import RUN_JOB
 from trainer import builtin_models
-from trainer import metrics as M
-from trainer.names import BUILTIN_MODELS
+from trainer.spec import metrics as M
+from trainer.spec.names import BUILTIN_MODELS
 from worker import messages as msg
 from worker import trackers
 from worker.celery_app import app
@@ -159,7 +159,7 @@ class _Attempt:
     metrics_at: dict[int, float] = field(default_factory=dict)  # when each step's metrics arrived (monotonic)
 
     def cadence(self) -> Cadence:
-        """The run's validation and checkpoint cadence, from its spec (the defaults are trainer.config's)."""
+        """The run's validation and checkpoint cadence, from its spec (the defaults are trainer.spec.config's)."""
         hp = self.spec["method"][self.spec["method"]["type"]].get("hyperparameters", {})
         return Cadence(
             total_steps=self.total_steps or 0,
@@ -707,7 +707,7 @@ class _Runner:
         prefix = checkpoint_prefix(self.job_id, step)
 
         def upload() -> None:
-            from trainer.checkpoint import archive_adapter
+            from trainer.loops.checkpoint import archive_adapter
 
             try:
                 for f in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -749,7 +749,7 @@ class _Runner:
         return self._db(what, unit)
 
     def _succeed(self) -> str:
-        from trainer.checkpoint import archive_adapter
+        from trainer.loops.checkpoint import archive_adapter
 
         a = self.a
         adapter = self.run_dir / "adapter"

@@ -30,8 +30,8 @@ from api.services.integrations import trainer_spec
 from api.settings import Settings
 from api.status import JobStatus
 from api.storage import ArtifactStore, NotFound
-from trainer.config import JobSpec, SpecError, check_total_steps, parse_spec
-from trainer.data import DatasetError, load_preferences, load_prompts, load_supervised, offered_functions
+from trainer.spec.config import JobSpec, SpecError, check_total_steps, parse_spec
+from trainer.spec.data import DatasetError, load_preferences, load_prompts, load_supervised, offered_functions
 from worker.errors import ErrorCode, JobError
 from worker.lease import Heartbeat
 
@@ -66,7 +66,7 @@ def download_dataset(url: str, store: ArtifactStore, *, file_id: str, dest: Path
 def check_dataset(path: Path, spec: JobSpec) -> int:
     """Validate every line against the method's format (design §4) and return the number of examples;
     :class:`DatasetError` names the first bad line: one that is not JSON or holds a value the service cannot take
-    (``trainer.json_values``), prompts without the fields the grader's templates name (RL), preference pairs
+    (``trainer.spec.json_values``), prompts without the fields the grader's templates name (RL), preference pairs
     (reward_model, dpo), or conversations ending with an assistant turn (supervised)."""
     fmt = spec.method.data_format
     if fmt == "prompts":
@@ -88,7 +88,7 @@ def preload_tokenising_code() -> None:
     """Import the trainer's tokenising code (torch, transformers) before the worker takes any job: fitting lengths
     tokenises prompts in this process, and importing torch holds the GIL for seconds at a time, during which the
     lease heartbeat of the job being validated could not run (a lease lost to an import)."""
-    for module in ("trainer.encoding", "trainer.models"):
+    for module in ("trainer.generation.encoding", "trainer.generation.models"):
         importlib.import_module(module)
 
 
@@ -108,9 +108,9 @@ def _longest_prompt(
     where it is: (label, request field, file id, line)."""
     # The tokenizer and the chat template are the trainer's (they import torch): loaded here only when the model
     # is on this worker and the method samples completions.
-    from trainer.config import MAX_TOKENS
-    from trainer.encoding import encode_prompts, thinking_kwargs
-    from trainer.models import load_tokenizer
+    from trainer.generation.encoding import encode_prompts, thinking_kwargs
+    from trainer.generation.models import load_tokenizer
+    from trainer.spec.config import MAX_TOKENS
 
     tokenizer = load_tokenizer(str(folder))
     hp = spec.method.hyperparameters
@@ -129,8 +129,8 @@ def _longest_prompt(
 def _check_lengths(folder: Path, spec: JobSpec, datasets: list[tuple[str, str, str, Path]], max_length: int) -> None:
     """Every pair (reward_model, dpo) or conversation (supervised) within ``max_length`` tokens, tokenised as the
     trainer does; :class:`JobError` ``invalid_file`` naming the first line that is longer."""
-    from trainer.encoding import encode_preferences, encode_supervised
-    from trainer.models import load_tokenizer
+    from trainer.generation.encoding import encode_preferences, encode_supervised
+    from trainer.generation.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(folder))
     last_only = getattr(spec.method.hyperparameters, "assistant_turns", "all") == "last"

@@ -17,8 +17,8 @@ again when their claim expires: delivery is at least once, and ``webhook-id`` (t
 attempt) lets a receiver drop a duplicate.
 
 SSRF: the URL was checked when it was set, and is checked again here by resolving its host and connecting to the
-checked address itself (``trainer.url_policy.Pinned``): a name that resolved to a public address then and resolves to
-an internal one now (DNS rebinding) is refused, never connected to. Redirects are not followed.
+checked address itself (``trainer.grading.url_policy.Pinned``): a name that resolved to a public address then and
+resolves to an internal one now (DNS rebinding) is refused, never connected to. Redirects are not followed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from api.db import session_scope
 from api.repositories import webhooks as webhooks_repo
 from api.services.webhooks import url_policy
 from api.settings import Settings
-from trainer.url_policy import CLIENT_OPTIONS, UrlPolicy, UrlRefused
+from trainer.grading.url_policy import CLIENT_OPTIONS, UrlPolicy, UrlRefused
 from worker.outbox import is_transient
 
 log = logging.getLogger("proxima.webhooks")

@@ -28,10 +28,10 @@ from api.repositories import sizing
 from api.schemas import EstimateBasis, JobCreate, JobEstimate
 from api.services import jobs as jobs_service
 from api.settings import Settings
-from trainer import metrics as M
-from trainer.config import HYPERPARAMETERS, RL_METHODS, trained_examples
+from trainer.spec import metrics as M
+from trainer.spec.config import HYPERPARAMETERS, RL_METHODS, trained_examples
 
-VALIDATION_PREFIX = "val/"  # the validation series (trainer.metrics.validation): a step that ran one is slower
+VALIDATION_PREFIX = "val/"  # the validation series (trainer.spec.metrics.validation): a step that ran one is slower
 RL_STEP = "batch_size × samples_per_prompt × max_completion_tokens"
 STEP = "batch_size"
 DEFAULTS = {method: hp().model_dump() for method, hp in HYPERPARAMETERS.items()}

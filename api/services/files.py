@@ -1,5 +1,5 @@
 """Files: uploads streamed to the artifact store as they arrive (``api.multipart``: nothing is spooled) while every
-line is checked to be a JSON object whose values the service can store and send back (``trainer.json_values``)."""
+line is checked to be a JSON object whose values the service can store and send back (``trainer.spec.json_values``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from api.repositories import files as files_repo
 from api.schemas import FILE_PURPOSES
 from api.storage import ArtifactStore, TooLarge
 from api.storage import NotFound as ArtifactNotFound
-from trainer import json_values
+from trainer.spec import json_values
 
 log = logging.getLogger("proxima.api.files")
 

@@ -1,21 +1,21 @@
 """OpenAI's grader dry-run: validate a grader, score one sample with it.
 
-Both run in grading processes (`trainer.grading_pool`), never on the API's threads or its event loop, each within a
+Both run in grading processes (`trainer.grading.pool`), never on the API's threads or its event loop, each within a
 hard time limit: a request waits (asynchronously) for one of POOL_SIZE processes, behind at most MAX_IN_FLIGHT others
 (beyond that it is a 429). A sample that takes longer than SAMPLE_TIMEOUT_S is a result with OpenAI's
 `unresponsive_reward_error` flag, as any other grading problem is a flag.
 
-A `python` grader's code runs in a sandbox (`trainer.sandbox`, SANDBOX), waited on by the same threads and counted
-in the same bound: its source is checked there (`check_source`: it parses and defines `grade(sample, item)`) by
+A `python` grader's code runs in a sandbox (`trainer.grading.sandbox`, SANDBOX), waited on by the same threads and
+counted in the same bound: its source is checked there (`check_source`: it parses and defines `grade(sample, item)`) by
 validate, run and job creation, and run grades the sample there. Its failures are OpenAI's
 `python_grader_runtime_error` (with details) and `python_grader_server_error` (with its type: timeout, cpu_limit,
 output_limit, crash); a sandbox that cannot start here is a 400 `sandbox_unavailable` saying why.
 
-The remote graders (`score_model`, `label_model`, `endpoint`, text_similarity's `cosine`: `trainer.remote_graders`)
-are checked against the deployment's configuration (`remote_config`) by validate, run and job creation: a judge model
-the deployment does not offer is a 400 naming `…model` (`model_not_available`), a model grader where no judge is
-configured `judge_unavailable`, cosine without an embeddings endpoint `embeddings_unavailable` (naming
-`…evaluation_metric`), an endpoint URL the policy refuses (its scheme, or an address its host resolves to)
+The remote graders (`score_model`, `label_model`, `endpoint`, text_similarity's `cosine`:
+`trainer.grading.remote_graders`) are checked against the deployment's configuration (`remote_config`) by validate, run
+and job creation: a judge model the deployment does not offer is a 400 naming `…model` (`model_not_available`), a model
+grader where no judge is configured `judge_unavailable`, cosine without an embeddings endpoint `embeddings_unavailable`
+(naming `…evaluation_metric`), an endpoint URL the policy refuses (its scheme, or an address its host resolves to)
 `url_not_allowed` naming `…url`. Run calls them from the same waiting threads, with shorter limits than training's
 (DRY_RUN_TIMEOUT_S a request, DRY_RUN_MAX_RETRIES retries, DRY_RUN_DEADLINE_S in all); their failures are OpenAI's
 `model_grader_parse_error`, `model_grader_refusal_error` and `model_grader_server_error` (with details), and for an
@@ -37,13 +37,13 @@ from typing import Any, TypeVar
 from api.errors import ApiError, InvalidRequest, Unavailable
 from api.schemas import GraderRunErrors, GraderRunMetadata, GraderRunResponse
 from api.settings import Settings
-from trainer import graders, remote_graders
-from trainer.agent_spec import AgentSpec
-from trainer.grading_pool import GradedBatch, GradingPool, GradingTimeout, GradingUnavailable, Sample
-from trainer.remote_graders import EmbeddingsConfig, JudgeConfig, RemoteConfig
-from trainer.sandbox import PythonSandbox, SandboxConfig, SandboxUnavailable, sandbox_available
-from trainer.tools import check_environment_source
-from trainer.url_policy import UrlRefused
+from trainer.agents.tools import check_environment_source
+from trainer.grading import graders, remote_graders
+from trainer.grading.pool import GradedBatch, GradingPool, GradingTimeout, GradingUnavailable, Sample
+from trainer.grading.remote_graders import EmbeddingsConfig, JudgeConfig, RemoteConfig
+from trainer.grading.sandbox import PythonSandbox, SandboxConfig, SandboxUnavailable, sandbox_available
+from trainer.grading.url_policy import UrlRefused
+from trainer.spec.agent_spec import AgentSpec
 
 POOL_SIZE = 2
 """Grading processes of one API process: dry-runs of different requests run side by side up to this many."""
@@ -170,9 +170,9 @@ def check_python_sources(grader: dict[str, Any], *, param: str) -> None:
 
 
 def remote_config(settings: Settings) -> RemoteConfig:
-    """The deployment's remote graders as the trainer takes them (`trainer.remote_graders.RemoteConfig`): the judge
-    and its models, the embeddings endpoint, the URL policy of endpoint graders and the limits of every request. The
-    worker hands it to each trainer process (`worker.runner`); the dry-runs use it with shorter limits."""
+    """The deployment's remote graders as the trainer takes them (`trainer.grading.remote_graders.RemoteConfig`): the
+    judge and its models, the embeddings endpoint, the URL policy of endpoint graders and the limits of every request.
+    The worker hands it to each trainer process (`worker.runner`); the dry-runs use it with shorter limits."""
     judge = None
     if settings.judge_base_url:
         key = settings.judge_api_key.get_secret_value() if settings.judge_api_key else None

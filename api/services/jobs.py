@@ -40,7 +40,7 @@ from api.status import NOT_STARTED, TERMINAL_STATUSES, WAITING, JobStatus
 from api.storage import ArtifactStore
 from api.storage import NotFound as ArtifactNotFound
 from api.tasks import RUN_JOB, gpus_of, queue_for
-from trainer.config import JobSpec, SpecError, parse_spec
+from trainer.spec.config import JobSpec, SpecError, parse_spec
 
 log = logging.getLogger("proxima.api.jobs")
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Any
 
-from trainer.config import HYPERPARAMETERS
+from trainer.spec.config import HYPERPARAMETERS
 
 PROMPT, COMPLETION, MAX_LENGTH = "max_prompt_tokens", "max_completion_tokens", "max_length"
 LENGTH_FIELDS = (PROMPT, COMPLETION, MAX_LENGTH)

@@ -1,9 +1,9 @@
 """Webhook endpoints: a tenant's create, list, retrieve, update, delete and rotate, and the delivery log.
 
-An endpoint's URL obeys the deployment's policy for URLs a tenant makes it call (``trainer.url_policy``, the endpoint
-graders' settings ``grader_url_*``): checked here after resolving its host (so these functions block on DNS: routes
-call them from a waiting thread), and again at every delivery, pinned to the checked address (``worker.webhooks``).
-The signing secret is shown in the create and rotate answers only.
+An endpoint's URL obeys the deployment's policy for URLs a tenant makes it call (``trainer.grading.url_policy``, the
+endpoint graders' settings ``grader_url_*``): checked here after resolving its host (so these functions block on DNS:
+routes call them from a waiting thread), and again at every delivery, pinned to the checked address
+(``worker.webhooks``). The signing secret is shown in the create and rotate answers only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from api.orm import WebhookEndpoint, now
 from api.repositories import webhooks as webhooks_repo
 from api.schemas_webhooks import WebhookEndpointCreate, WebhookEndpointUpdate
 from api.settings import Settings
-from trainer.url_policy import UrlPolicy, UrlRefused
+from trainer.grading.url_policy import UrlPolicy, UrlRefused
 
 MAX_LIST_LIMIT = 100
 DEFAULT_LIST_LIMIT = 20

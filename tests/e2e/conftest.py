@@ -33,7 +33,7 @@ from api.status import JobStatus
 from api.storage import store_from_url
 from api.tasks import RUN_JOB
 from tests.redis_dbs import claim_redis_url, release_redis_url
-from trainer.config import parse_spec
+from trainer.spec.config import parse_spec
 
 PG_ADMIN = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
 LEASE_SECONDS = 3.0
@@ -349,11 +349,11 @@ def page(browser: Any) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def calculator() -> Iterator[str]:
-    """The built-in calculator tool server (`trainer.calculator_server`) over real HTTP on a free port: its URL."""
+    """The calculator tool server (`trainer.agents.calculator_server`) over real HTTP on a free port: its URL."""
     import threading
     import time
 
-    from trainer import calculator_server
+    from trainer.agents import calculator_server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

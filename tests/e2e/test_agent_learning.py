@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_agent_loop import EXACT
-from trainer import calculator_server, tiny_calc
-from trainer import metrics as M
-from trainer.callbacks import JsonlFiles
-from trainer.config import parse_spec
-from trainer.evaluate import configure_remote, remote_config
-from trainer.remote_graders import RemoteConfig
+from trainer.agents import calculator_server
+from trainer.builtin_models import tiny_calc
+from trainer.grading.remote_graders import RemoteConfig
+from trainer.loops.evaluate import configure_remote, remote_config
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import JsonlFiles
+from trainer.spec.config import parse_spec
 from trainer.train import train
 
 

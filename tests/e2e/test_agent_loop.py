@@ -28,16 +28,17 @@ from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
 from tests.e2e.test_rl_loop import make_spec
-from trainer import calculator_server, tiny_calc
-from trainer import metrics as M
-from trainer.callbacks import BaseCallback
-from trainer.config import parse_spec
-from trainer.core_algos import LossScale
-from trainer.encoding import completion_batch
-from trainer.evaluate import configure_remote, remote_config
-from trainer.generation import Generation, SamplingParams
-from trainer.remote_graders import RemoteConfig
-from trainer.rl import RLTrainer
+from trainer.agents import calculator_server
+from trainer.algorithms.core_algos import LossScale
+from trainer.builtin_models import tiny_calc
+from trainer.generation.encoding import completion_batch
+from trainer.generation.rollout_engine import Generation, SamplingParams
+from trainer.grading.remote_graders import RemoteConfig
+from trainer.loops.evaluate import configure_remote, remote_config
+from trainer.loops.rl import RLTrainer
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import BaseCallback
+from trainer.spec.config import parse_spec
 
 EXACT = {
     "type": "string_check",

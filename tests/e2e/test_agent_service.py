@@ -15,8 +15,9 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
-from trainer import calculator_server, tiny_calc
-from trainer import metrics as M
+from trainer.agents import calculator_server
+from trainer.builtin_models import tiny_calc
+from trainer.spec import metrics as M
 
 from .dashboard_support import DashboardServer, metrics, upload, wait_job
 

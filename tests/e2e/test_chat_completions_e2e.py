@@ -24,7 +24,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from trainer import metrics as M
+from trainer.spec import metrics as M
 
 from .dashboard_support import DashboardServer, free_port
 
@@ -80,9 +80,9 @@ def answer(client: OpenAI, model: str, content: str | list[dict[str, str]]) -> t
 
 def accuracy(client: OpenAI, model: str, validation: Path) -> float:
     """The job's grader's mean reward over the validation prompts, answered at temperature 0 through the API."""
-    from trainer import graders
-    from trainer.data import load_prompts
-    from trainer.evaluate import grade_batch
+    from trainer.grading import graders
+    from trainer.loops.evaluate import grade_batch
+    from trainer.spec.data import load_prompts
 
     grader = graders.parse_grader(GRADER)
     items = load_prompts(validation, grader=grader)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from playwright.sync_api import Locator, Page, expect
 
-from trainer import metrics as M
+from trainer.spec import metrics as M
 
 from .dashboard_support import (
     DashboardServer,

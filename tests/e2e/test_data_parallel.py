@@ -1,5 +1,5 @@
-"""Data parallel training (``trainer.distributed``) through the worker's launcher (``worker.launch``, torch's elastic
-launcher with the gloo backend on CPUs): two ranks train exactly what one does on the same global batch, and a
+"""Data parallel training (``trainer.generation.distributed``) through the worker's launcher (``worker.launch``, torch's
+elastic launcher with the gloo backend on CPUs): two ranks train exactly what one does on the same global batch, and a
 killed rank fails the attempt the way a killed trainer does."""
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from tests.e2e.conftest import Service, grpo_spec
 from tests.e2e.test_agent_loop import agent_spec
 from tests.e2e.test_rl_loop import make_spec
 from tests.e2e.test_worker_faults import messages, start_worker
-from trainer import calculator_server, tiny_calc
-from trainer import metrics as M
-from trainer.remote_graders import RemoteConfig
+from trainer.agents import calculator_server
+from trainer.builtin_models import tiny_calc
+from trainer.grading.remote_graders import RemoteConfig
+from trainer.spec import metrics as M
 from worker import messages as msg
 from worker.launch import MONITOR_INTERVAL_S
 from worker.runner import REMOTE_GRADERS_ENV

@@ -21,7 +21,7 @@ import pytest
 
 from api.status import TERMINAL_STATUSES
 from tests.e2e.dashboard_support import MODEL, DashboardServer, upload
-from trainer import metrics as M
+from trainer.spec import metrics as M
 
 STEPS = 8
 GRADER = {

@@ -10,13 +10,13 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from trainer.checkpoint import load_state
-from trainer.config import GRPOHyperparameters, LoraSpec
-from trainer.encoding import PromptSampler
-from trainer.engine import Engine, ParamGroup, load_policy, seed_everything
-from trainer.generation import HFRolloutEngine, SamplingParams
-from trainer.models import load_tokenizer, trainable_parameters
-from trainer.rollout import completion_logprobs
+from trainer.generation.encoding import PromptSampler
+from trainer.generation.models import load_tokenizer, trainable_parameters
+from trainer.generation.rollout import completion_logprobs
+from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
+from trainer.loops.checkpoint import load_state
+from trainer.loops.engine import Engine, ParamGroup, load_policy, seed_everything
+from trainer.spec.config import GRPOHyperparameters, LoraSpec
 
 
 @pytest.fixture()

@@ -1,8 +1,8 @@
 """`proxima inference` as a real process on tiny-arith, driven by the official `openai` client and plain HTTP.
 
 The server's greedy answers are compared with the trainer's own greedy evaluation of the same prompts
-(``trainer.generation.HFRolloutEngine`` + ``trainer.evaluate.decode_completions``), for the base and for an adapter
-registered from an archive in a folder artifact store.
+(``trainer.generation.rollout_engine.HFRolloutEngine`` + ``trainer.loops.evaluate.decode_completions``), for the base
+and for an adapter registered from an archive in a folder artifact store.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ import torch
 from openai.types.chat import ChatCompletionMessageParam
 
 from api.storage import LocalStore
-from trainer.checkpoint import archive_adapter
-from trainer.config import LoraSpec
-from trainer.data import PromptItem
-from trainer.encoding import encode_prompts
-from trainer.evaluate import decode_completions
-from trainer.generation import HFRolloutEngine, SamplingParams
-from trainer.models import add_lora, load_adapter, load_base_model, load_tokenizer
-from trainer.tiny_arith import prompt_text
+from trainer.builtin_models.tiny_arith import prompt_text
+from trainer.generation.encoding import encode_prompts
+from trainer.generation.models import add_lora, load_adapter, load_base_model, load_tokenizer
+from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
+from trainer.loops.checkpoint import archive_adapter
+from trainer.loops.evaluate import decode_completions
+from trainer.spec.config import LoraSpec
+from trainer.spec.data import PromptItem
 
 KEY = "inference-secret"
 CPU = torch.device("cpu")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer import metrics as M
-from trainer.callbacks import JsonlFiles
-from trainer.config import parse_spec
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import JsonlFiles
+from trainer.spec.config import parse_spec
 from trainer.train import train
 
 ACCURACY = {

@@ -16,8 +16,8 @@ from openai import OpenAI
 
 from tests.e2e.dashboard_support import MODEL, DashboardServer
 from tests.remote_grader_servers import Servers, serve_remote_graders
-from trainer import metrics as M
-from trainer.sandbox import sandbox_available
+from trainer.grading.sandbox import sandbox_available
+from trainer.spec import metrics as M
 
 # As OpenAI's RFT guide writes them (its grader and hyperparameter fields), on tiny-arith's prompts.
 PYTHON = {

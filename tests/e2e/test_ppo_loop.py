@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tests.e2e.test_rl_loop import StopAfter, deterministic, make_spec, read_metrics
-from trainer import metrics as M
-from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
-from trainer.checkpoint import list_checkpoints
-from trainer.config import SpecError, parse_spec
-from trainer.critic import CRITIC_ADAPTER
-from trainer.rl import RLTrainer
+from trainer.loops.checkpoint import list_checkpoints
+from trainer.loops.critic import CRITIC_ADAPTER
+from trainer.loops.rl import RLTrainer
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import BaseCallback, Callbacks, JsonlFiles
+from trainer.spec.config import SpecError, parse_spec
 from trainer.train import train
 
 
@@ -71,7 +71,7 @@ def test_ppo_records_value_metrics_and_trains_policy_and_critic_on_one_base(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer.rollout import completion_logprobs, generate, left_pad
+    from trainer.generation.rollout import completion_logprobs, generate, left_pad
 
     ids, mask = left_pad(t.train_ids[:4], t.tokenizer.pad_token_id)
     ro = generate(
@@ -314,7 +314,7 @@ def test_old_logprobs_from_the_updates_first_forward_train_as_a_scoring_pass(
     the metrics and adapters of a run whose policy scores the rollout first, to float rounding: PPO with μ = 1 (the
     KL in the reward needs the old log-probs) and μ = 2 with the adaptive β, with the critic's passes apart, joined
     to the policy's and on its trunk; RLOO's KL in the reward; GRPO's μ = 2 ratio."""
-    from trainer.generation import HFRolloutEngine
+    from trainer.generation.rollout_engine import HFRolloutEngine
 
     # the fp32 sampler's log-probs are the trainer's and would be the old ones: off, as a bf16 sampler's are
     monkeypatch.setattr(HFRolloutEngine, "exact_logprobs", property(lambda self: False))
@@ -362,7 +362,7 @@ def test_critic_fits_per_token_targets_through_its_adapter_and_head(
 ) -> None:
     """Gradient flows through the critic's LoRA and head: on a fixed rollout the value loss against fixed per-token
     targets falls by over 95% in 60 Adam steps, while the policy's adapter stays untouched."""
-    from trainer.core_algos import masked_mean
+    from trainer.algorithms.core_algos import masked_mean
 
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
@@ -415,7 +415,7 @@ def test_trunk_value_loss_backpropagates_into_the_policy_lora(
 ) -> None:
     """The shared trunk: V's gradient reaches the policy's LoRA as well as the head (and matches the critic's
     separate forward, which reads the same hidden state)."""
-    from trainer.rollout import completion_logprobs
+    from trainer.generation.rollout import completion_logprobs
 
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1, critic="policy_trunk"))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())

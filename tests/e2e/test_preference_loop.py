@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from trainer import metrics as M
-from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
-from trainer.checkpoint import list_checkpoints
-from trainer.config import SpecError, parse_spec
-from trainer.data import DatasetError
-from trainer.preference import PreferenceTrainer
-from trainer.supervised import SupervisedTrainer
+from trainer.loops.checkpoint import list_checkpoints
+from trainer.loops.preference import PreferenceTrainer
+from trainer.loops.supervised import SupervisedTrainer
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import BaseCallback, Callbacks, JsonlFiles
+from trainer.spec.config import SpecError, parse_spec
+from trainer.spec.data import DatasetError
 from trainer.train import build_trainer, train
 
 FILES = {

@@ -15,9 +15,9 @@ import pytest
 from api.status import JobStatus
 from tests.e2e.conftest import Service, grpo_spec
 from tests.remote_grader_servers import serve_remote_graders
-from trainer import graders
-from trainer import metrics as M
-from trainer.sandbox import sandbox_available
+from trainer.grading import graders
+from trainer.grading.sandbox import sandbox_available
+from trainer.spec import metrics as M
 from worker.runner import REMOTE_GRADERS_ENV
 
 KEY = "sk-e2e-judge-7f3a9c"
@@ -84,7 +84,7 @@ def test_a_grpo_job_graded_by_python_and_a_judge_succeeds_with_each_graders_rewa
             for pid, cmdline in processes():
                 if KEY in cmdline:
                     seen_key_on_a_command_line.append(cmdline[:200])
-                if "trainer.grading_pool" in cmdline:
+                if "trainer.grading.pool" in cmdline:
                     try:
                         if REMOTE_GRADERS_ENV.encode() in Path(f"/proc/{pid}/environ").read_bytes():
                             grading_env_leaks.append(pid)

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from trainer import metrics as M
-from trainer.callbacks import BaseCallback, Callbacks, JsonlFiles
-from trainer.checkpoint import list_checkpoints
-from trainer.config import SpecError, parse_spec
-from trainer.data import DatasetError
-from trainer.generation import HFRolloutEngine
-from trainer.rl import RLTrainer
+from trainer.generation.rollout_engine import HFRolloutEngine
+from trainer.loops.checkpoint import list_checkpoints
+from trainer.loops.rl import RLTrainer
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import BaseCallback, Callbacks, JsonlFiles
+from trainer.spec.config import SpecError, parse_spec
+from trainer.spec.data import DatasetError
 from trainer.train import train
 
 SIM = {
@@ -181,7 +181,7 @@ def test_saved_adapter_reloaded_with_peft_reproduces_the_policy_logprobs(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer.rollout import completion_logprobs, generate, left_pad
+    from trainer.generation.rollout import completion_logprobs, generate, left_pad
 
     spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=2))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
@@ -447,7 +447,7 @@ def test_a_compiled_decode_step_trains_as_the_growing_cache_does(
 def test_a_job_whose_decode_step_cannot_be_compiled_warns_once_and_trains(
     random_model_dir: Path, arithmetic_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import trainer.rollout as rollout
+    import trainer.generation.rollout as rollout
 
     def cannot_compile(fn: Any) -> Any:
         def compiled(*args: Any, **kwargs: Any) -> Any:

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import metrics as M
-from trainer.callbacks import JsonlFiles
-from trainer.config import parse_spec
-from trainer.data import load_preferences
-from trainer.reward_model import RewardModel
-from trainer.steps import RunResult
+from trainer.loops.reward_model import RewardModel
+from trainer.loops.steps import RunResult
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import JsonlFiles
+from trainer.spec.config import parse_spec
+from trainer.spec.data import load_preferences
 from trainer.train import train
 
 TRUTH = {

@@ -23,14 +23,14 @@ from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
 from tests.e2e.test_rl_loop import make_spec
-from trainer import metrics as M
-from trainer.callbacks import BaseCallback, JsonlFiles
-from trainer.config import parse_spec
-from trainer.encoding import completion_batch
-from trainer.generation import Generation, HFRolloutEngine, SamplingParams
-from trainer.recipes import RECIPES, Recipe
-from trainer.rl import RLTrainer
-from trainer.rollout import completion_logprobs
+from trainer.generation.encoding import completion_batch
+from trainer.generation.rollout import completion_logprobs
+from trainer.generation.rollout_engine import Generation, HFRolloutEngine, SamplingParams
+from trainer.loops.rl import RLTrainer
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import BaseCallback, JsonlFiles
+from trainer.spec.config import parse_spec
+from trainer.spec.recipes import RECIPES, Recipe
 
 EXACT = {
     "type": "string_check",

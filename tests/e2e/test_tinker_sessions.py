@@ -325,11 +325,12 @@ def test_an_idle_session_is_saved_unloaded_and_reloaded_by_its_next_request(stac
 
 
 def run_cookbook(stack: Stack, loop: str, log_path: Path, *args: str) -> list[dict[str, Any]]:
-    """``python -m trainer.cookbook`` (the cookbook's loops, unchanged) against the service; its metrics.jsonl."""
+    """``python -m trainer.serving.cookbook`` (the cookbook's loops, unchanged) against the service: metrics.jsonl."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROXIMA_", "TINKER_"))}
     env |= {"TINKER_API_KEY": f"tml-{stack.key}", "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"}
     command = [
-        sys.executable, "-m", "trainer.cookbook", loop, "--base-url", stack.url, "--model-dir", str(stack.model_dir),
+        sys.executable, "-m", "trainer.serving.cookbook", loop, "--base-url", stack.url,
+        "--model-dir", str(stack.model_dir),
         "--log-path", str(log_path), *args,
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -338,7 +339,7 @@ def run_cookbook(stack: Stack, loop: str, log_path: Path, *args: str) -> list[di
 
 
 def held_out_accuracy(sampler: Any, model_dir: Path, validation: Path) -> float:
-    """Greedy accuracy on the held-out pairs (trainer.tiny_arith's validation split), sampled through the SDK."""
+    """Greedy accuracy on the held-out pairs (tiny_arith's validation split), sampled through the SDK."""
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     rows = [json.loads(line) for line in validation.read_text().splitlines()][:HELD_OUT]
     params = types.SamplingParams(max_tokens=5, temperature=0.0)

@@ -15,7 +15,7 @@ import torch
 from api import ids
 from api.db import session_scope
 from api.orm import Checkpoint
-from trainer import metrics as M
+from trainer.spec import metrics as M
 
 from .conftest import Service, grpo_spec, service_factory
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from trainer import metrics as M
-from trainer.config import parse_spec
+from trainer.spec import metrics as M
+from trainer.spec.config import parse_spec
 
 from .conftest import Service, service_factory
 

@@ -7,7 +7,7 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer import metrics as M
+from trainer.spec import metrics as M
 
 from .conftest import Service, grpo_spec
 

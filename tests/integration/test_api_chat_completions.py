@@ -213,9 +213,9 @@ def tuned(
     from api import ids
     from api.db import session_scope
     from api.orm import File
-    from trainer.checkpoint import archive_adapter
-    from trainer.config import LoraSpec
-    from trainer.models import add_lora
+    from trainer.generation.models import add_lora
+    from trainer.loops.checkpoint import archive_adapter
+    from trainer.spec.config import LoraSpec
 
     out = tmp_path_factory.mktemp("adapter")
     model = add_lora(greedy.base, LoraSpec(r=4, alpha=8), seed=0)

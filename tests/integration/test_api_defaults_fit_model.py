@@ -31,7 +31,7 @@ from tests.integration.conftest import (
     upload,
     validate,
 )
-from trainer.config import METHODS, RL_METHODS
+from trainer.spec.config import METHODS, RL_METHODS
 
 WIDE, UNBUILT = "tiny-wide", "not-built-here"
 CONTEXT = {"tiny-arith": 64, WIDE: 2048}
@@ -55,7 +55,7 @@ def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     API nor the validation phase loads any)."""
     from transformers import LlamaConfig
 
-    from trainer.tiny_arith import build_tokenizer
+    from trainer.builtin_models.tiny_arith import build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-wide")
     tok = build_tokenizer()
@@ -234,9 +234,9 @@ class TestCreateWithLengthsThatCannotFit:
 
 def prompt_tokens(model_dir: Path, content: str) -> int:
     """A prompt's tokens as the RL loop encodes it (the trainer's encoder: the oracle here)."""
-    from trainer.data import PromptItem
-    from trainer.encoding import encode_prompts
-    from trainer.models import load_tokenizer
+    from trainer.generation.encoding import encode_prompts
+    from trainer.generation.models import load_tokenizer
+    from trainer.spec.data import PromptItem
 
     tok = load_tokenizer(str(model_dir))
     return len(

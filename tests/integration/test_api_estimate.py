@@ -31,7 +31,7 @@ from tests.integration.conftest import (
     serve,
     upload,
 )
-from trainer.config import parse_spec
+from trainer.spec.config import parse_spec
 
 MODEL = f"est-{secrets.token_hex(3)}"
 OTHER_MODEL = f"est-other-{secrets.token_hex(3)}"

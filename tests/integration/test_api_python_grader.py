@@ -14,7 +14,7 @@ import pytest
 
 from api.services import graders as graders_service
 from tests.integration.conftest import assert_error, http_client, job_body
-from trainer.sandbox import SandboxConfig, sandbox_available
+from trainer.grading.sandbox import SandboxConfig, sandbox_available
 
 RUN = "/v1/fine_tuning/alpha/graders/run"
 VALIDATE = "/v1/fine_tuning/alpha/graders/validate"

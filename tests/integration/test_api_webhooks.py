@@ -396,7 +396,7 @@ def loopback_client(loopback: Any, owner: Tenant) -> Iterator[httpx.Client]:
 
 
 def deliver(settings: Any) -> int:
-    from trainer.url_policy import CLIENT_OPTIONS
+    from trainer.grading.url_policy import CLIENT_OPTIONS
     from worker.webhooks import deliver_due
 
     with httpx.Client(**CLIENT_OPTIONS) as c:

@@ -12,10 +12,9 @@ from typing import Any, ClassVar
 import pytest
 
 from tests.remote_grader_servers import FLAKY_FAILURES, SLOW_S, Servers, letter_cosine, sum_score
-from trainer import evaluate, graders
-from trainer.data import PromptItem
-from trainer.graders import GraderFailed, parse_grader
-from trainer.remote_graders import (
+from trainer.grading import graders
+from trainer.grading.graders import GraderFailed, parse_grader
+from trainer.grading.remote_graders import (
     BudgetSpent,
     EmbeddingsConfig,
     JudgeBudget,
@@ -24,6 +23,8 @@ from trainer.remote_graders import (
     RemoteScores,
     grade_remote_leaves,
 )
+from trainer.loops import evaluate
+from trainer.spec.data import PromptItem
 
 pytestmark = pytest.mark.usefixtures("fresh_remote_graders")  # conftest: each test sees only its requests
 

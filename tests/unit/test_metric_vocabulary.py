@@ -1,5 +1,5 @@
-"""The metric vocabulary (trainer/metrics.py) and the dashboard's use of it: the names are defined once, the API can
-serve them without torch, and the dashboard's modules name metrics only through the generated ``vocabulary.js``."""
+"""The metric vocabulary (trainer/spec/metrics.py) and the dashboard's use of it: the names are defined once, the API
+can serve them without torch, and the dashboard's modules name metrics only through the generated ``vocabulary.js``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.routes import dashboard
-from trainer import metrics as M
+from trainer.spec import metrics as M
 
 JS_DIR = dashboard.STATIC_DIR / "js"
 VOCABULARY_JS = JS_DIR / "vocabulary.js"  # served by a route, never a file
@@ -92,7 +92,7 @@ class TestVocabulary:
     def test_the_module_imports_nothing_outside_the_standard_library(self) -> None:
         # The API process serves the vocabulary; importing torch there is what the redesign removes.
         code = (
-            "import sys, trainer.metrics; "
+            "import sys, trainer.spec.metrics; "
             "heavy = [m for m in ('torch', 'numpy', 'transformers', 'pydantic') if m in sys.modules]; "
             "print(heavy)"
         )
@@ -146,7 +146,9 @@ class TestDashboardNamesOnlyVocabularyMetrics:
             namespace = [t for t in NAMESPACE_IMPORT.findall(source) if (path.parent / t).resolve() == VOCABULARY_JS]
             assert namespace == [], f"{path.name}: import the metric names by name"
         for module, names in imported.items():
-            assert names <= exported, f"{module} imports {sorted(names - exported)}, which trainer/metrics.py lacks"
+            assert names <= exported, (
+                f"{module} imports {sorted(names - exported)}, which trainer/spec/metrics.py lacks"
+            )
         assert {"metrics.js", "job.js", "jobs.js", "compare.js"} <= imported.keys()
         assert {"LOSS_TOTAL", "VAL_LOSS", "REWARD_OF_GRADER"} <= imported["metrics.js"]
 

@@ -1,10 +1,10 @@
 """The built-in base models (tiny-arith, tiny-calc), shipped built and installed by a verified copy.
 
-Their recipes (``trainer.tiny_arith``, ``trainer.tiny_calc``) train them from scratch in two to four minutes on two
-cores. Rather than have every new machine spend that on its first run (and the demo, the suite and a service each
-build their own), the project ships the files of one such build in this package (``tiny-arith/``, ``tiny-calc/``),
-with each file's SHA-256 recorded in :data:`DIGESTS`. Installing a model is copying those files into the model store
-and checking every digest: well under a second.
+Their recipes (``trainer.builtin_models.tiny_arith``, ``trainer.builtin_models.tiny_calc``) train them from scratch in
+two to four minutes on two cores. Rather than have every new machine spend that on its first run (and the demo, the
+suite and a service each build their own), the project ships the files of one such build in this package
+(``tiny-arith/``, ``tiny-calc/``), with each file's SHA-256 recorded in :data:`DIGESTS`. Installing a model is copying
+those files into the model store and checking every digest: well under a second.
 
 Shipping the build also gives every machine the same weights. A build from scratch is deterministic on one kind of
 machine, but where the CPU has fast bf16 matmuls the recipe trains under bf16 autocast, whose rounding depends on the
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from trainer.names import BUILTIN_MODELS
+from trainer.spec.names import BUILTIN_MODELS
 
 SHIPPED = Path(__file__).resolve().parent
 MARKER = "build_info.json"

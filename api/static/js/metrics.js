@@ -1,5 +1,5 @@
 // Which charts a job page shows, from the metric names its series hold. The names come from ./vocabulary.js, which
-// the server generates from trainer/metrics.py (the trainer's one definition of them): a name it does not define is
+// the server generates from trainer/spec/metrics.py (the trainer's one definition of them): a name it does not define is
 // an import error at load, not a chart that stays empty. A fixed, preferred set comes first in a sensible order; a
 // chart whose series are all absent is not shown; every other numeric series gets its own chart under "Other
 // metrics", so names added to the trainer later are drawn without a change here.

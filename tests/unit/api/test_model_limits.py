@@ -18,7 +18,7 @@ from api.services.model_limits import (
     fit_spec,
     length_fields,
 )
-from trainer.config import HYPERPARAMETERS, METHODS, RL_METHODS
+from trainer.spec.config import HYPERPARAMETERS, METHODS, RL_METHODS
 
 
 def values(method: str, **given: Any) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from api.tinker_wire import (
     encode_sample_response,
     pb,
 )
-from trainer.tinker_types import ForwardResult, SampledSequence, SampleResult
+from trainer.spec.tinker_types import ForwardResult, SampledSequence, SampleResult
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -359,7 +359,7 @@ class TestLoadingTheSdkProtos:
     # A result the SDK decodes in that process: the message classes it uses are the ones the codec filled.
     ROUND_TRIP = (
         "from tinker.proto import response_conv, tinker_public_pb2; "
-        "from trainer.tinker_types import SampledSequence, SampleResult; "
+        "from trainer.spec.tinker_types import SampledSequence, SampleResult; "
         "assert tinker_public_pb2 is tinker_wire.pb; "
         "r = SampleResult([SampledSequence([3], [-0.5], 'length')]); "
         "s = response_conv.deserialize_sample_response(tinker_wire.encode_sample_response(r)).sequences[0]; "

@@ -1,5 +1,5 @@
-"""trainer.attention: grouped-query attention against attention done head by head by hand, a switched model against
-transformers' eager attention (outputs and gradients), and the compiled decode step calling it as one op."""
+"""trainer.generation.attention: grouped-query attention against attention done head by head by hand, a switched model
+against transformers' eager attention (outputs and gradients), and the compiled decode step calling it as one op."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
 
-from trainer.attention import GROUPED, _grouped_op, grouped_scores_softmax_values, use_grouped_attention
-from trainer.rollout import StaticDecoder, generate, left_pad
+from trainer.generation.attention import GROUPED, _grouped_op, grouped_scores_softmax_values, use_grouped_attention
+from trainer.generation.rollout import StaticDecoder, generate, left_pad
 
 
 def by_hand(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float) -> Tensor:

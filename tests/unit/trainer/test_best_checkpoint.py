@@ -9,17 +9,17 @@ from typing import Any
 
 import pytest
 
-from trainer import checkpoint as ckpt
-from trainer import graders
-from trainer import metrics as M
-from trainer.callbacks import BaseCallback, Level
-from trainer.config import SpecError, parse_spec
-from trainer.data import parse_preference_line
-from trainer.distributed import World
-from trainer.encoding import EncodedPair
-from trainer.overoptimisation import DROP, OveroptimisationWatch
-from trainer.preference import held_out
-from trainer.steps import INITIAL_ADAPTER, BestCheckpoint, run_steps
+from trainer.generation.distributed import World
+from trainer.generation.encoding import EncodedPair
+from trainer.grading import graders
+from trainer.loops import checkpoint as ckpt
+from trainer.loops.preference import held_out
+from trainer.loops.steps import INITIAL_ADAPTER, BestCheckpoint, run_steps
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import BaseCallback, Level
+from trainer.spec.config import SpecError, parse_spec
+from trainer.spec.data import parse_preference_line
+from trainer.spec.overoptimisation import DROP, OveroptimisationWatch
 
 METRIC = "val/reward/truth/mean"
 

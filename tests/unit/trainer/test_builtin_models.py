@@ -13,7 +13,7 @@ import pytest
 
 from trainer import builtin_models
 from trainer.builtin_models import DIGESTS, MARKER, WEIGHTS, BuiltinModelError, install, install_missing, shipped
-from trainer.names import BUILTIN_MODELS
+from trainer.spec.names import BUILTIN_MODELS
 
 
 @pytest.mark.parametrize("name", BUILTIN_MODELS)
@@ -117,7 +117,7 @@ def test_the_shipped_tiny_arith_is_the_model_its_build_info_describes() -> None:
     build measured it) is the recorded one, and the base drops the carry of the demo's question."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.tiny_arith import greedy_accuracy, split_pairs
+    from trainer.builtin_models.tiny_arith import greedy_accuracy, split_pairs
 
     folder = shipped("tiny-arith")
     info = json.loads((folder / MARKER).read_text())

@@ -1,5 +1,5 @@
-"""Tests for trainer/calculator_server.py: the expression language, the agent-RFT wire shape over HTTP (ASGI, and one
-real socket for the latency overlap)."""
+"""Tests for trainer/agents/calculator_server.py: the expression language, the agent-RFT wire shape over HTTP (ASGI, and
+one real socket for the latency overlap)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from trainer.agent_spec import AgentSpec, ToolSpec
-from trainer.calculator_server import (
+from trainer.agents.calculator_server import (
     FUNCTION,
     MAX_BODY_BYTES,
     MAX_EXPRESSION_CHARS,
@@ -26,6 +25,7 @@ from trainer.calculator_server import (
     evaluate_expression,
     make_server,
 )
+from trainer.spec.agent_spec import AgentSpec, ToolSpec
 
 
 def _call(arguments: str, **fields: object) -> dict[str, object]:

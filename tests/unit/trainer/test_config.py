@@ -1,10 +1,10 @@
-"""trainer.config.parse_spec: per-method defaults from the papers, OpenAI's spellings, SpecError naming the field."""
+"""trainer.spec.config.parse_spec: per-method defaults from the papers, OpenAI's spellings, SpecError naming fields."""
 
 from typing import Any
 
 import pytest
 
-from trainer.config import (
+from trainer.spec.config import (
     DAPOHyperparameters,
     DrGRPOHyperparameters,
     GRPOHyperparameters,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from trainer.config import (
+from trainer.spec.config import (
     HYPERPARAMETERS,
     MAX_STEPS,
     RL_METHODS,

@@ -1,5 +1,5 @@
-"""trainer.core_algos: registries, log-probs, KL estimators, advantages, policy losses and aggregations against
-hand-computed values and the invariants of rl-algorithms.md §5."""
+"""trainer.algorithms.core_algos: registries, log-probs, KL estimators, advantages, policy losses and aggregations
+against hand-computed values and the invariants of rl-algorithms.md §5."""
 
 import math
 from itertools import pairwise
@@ -7,7 +7,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from trainer.core_algos import (
+from trainer.algorithms.core_algos import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
     KL_ESTIMATORS,

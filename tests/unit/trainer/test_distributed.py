@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer.distributed import World
-from trainer.rollout import generate, left_pad, row_uniforms
-from trainer.tiny_arith import build_tokenizer
+from trainer.builtin_models.tiny_arith import build_tokenizer
+from trainer.generation.distributed import World
+from trainer.generation.rollout import generate, left_pad, row_uniforms
 
 
 @pytest.mark.parametrize(("n", "size"), [(12, 2), (13, 2), (5, 3), (2, 4), (0, 2)])
@@ -56,7 +56,7 @@ def test_a_seeded_row_samples_the_same_tokens_in_any_batch(random_model_dir: Pat
 
 def test_inverse_cdf_sampling_follows_the_distribution() -> None:
     """The per-row draw picks token k with probability p_k: 20 000 rows of one distribution, one draw each."""
-    from trainer.rollout import _sample_next
+    from trainer.generation.rollout import _sample_next
 
     p = torch.tensor([0.5, 0.0, 0.3, 0.2])
     logits = p.clamp_min(1e-30).log().expand(20_000, 4)

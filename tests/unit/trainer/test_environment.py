@@ -1,6 +1,6 @@
-"""trainer.tools.PythonEnvironmentExecutor: a Python environment's reset and steps in the python grader's sandbox,
-one sandbox per episode. Real sandboxes (bubblewrap as root), as in test_sandbox.py: where the sandbox cannot start,
-every test here fails with the reason (`make test` installs bubblewrap); none is skipped."""
+"""trainer.agents.tools.PythonEnvironmentExecutor: a Python environment's reset and steps in the python grader's
+sandbox, one sandbox per episode. Real sandboxes (bubblewrap as root), as in test_sandbox.py: where the sandbox cannot
+start, every test here fails with the reason (`make test` installs bubblewrap); none is skipped."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from trainer import sandbox as sandbox_module
-from trainer.agent_spec import EnvironmentSpec
-from trainer.sandbox import SandboxConfig, sandbox_available
-from trainer.tools import EnvironmentFailed, PythonEnvironmentExecutor, ToolResult
+from trainer.agents.tools import EnvironmentFailed, PythonEnvironmentExecutor, ToolResult
+from trainer.grading import sandbox as sandbox_module
+from trainer.grading.sandbox import SandboxConfig, sandbox_available
+from trainer.spec.agent_spec import EnvironmentSpec
 
 pytestmark = pytest.mark.alone  # time limits and latencies: under pytest-xdist, no other test beside them
 

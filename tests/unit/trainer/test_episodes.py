@@ -1,4 +1,4 @@
-"""Agent episodes (trainer.episodes): the token row of an episode, turn by turn, with scripted and real engines."""
+"""Agent episodes (trainer.agents.episodes): an episode's token row, turn by turn, with scripted and real engines."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.unit.trainer.test_tool_calls import chatml_tokenizer, ids
-from trainer.agent import AgentRollouts
-from trainer.agent_spec import AgentSpec, EnvironmentSpec, ToolSpec
-from trainer.data import PromptItem
-from trainer.encoding import prompt_text
-from trainer.episodes import UNKNOWN_TOOL, Episode, EpisodeConfig, EpisodeRunner, turn_seed
-from trainer.generation import Generation, HFRolloutEngine, SamplingParams
-from trainer.rollout import Rollout, completion_logprobs, left_pad
-from trainer.tool_calls import HermesParser, ParsedTurn, ToolCall, environment_segment, new_call_id
+from trainer.agents.episodes import UNKNOWN_TOOL, Episode, EpisodeConfig, EpisodeRunner, turn_seed
+from trainer.agents.tool_calls import HermesParser, ParsedTurn, ToolCall, environment_segment, new_call_id
+from trainer.generation.encoding import prompt_text
+from trainer.generation.rollout import Rollout, completion_logprobs, left_pad
+from trainer.generation.rollout_engine import Generation, HFRolloutEngine, SamplingParams
+from trainer.loops.agent import AgentRollouts
+from trainer.spec.agent_spec import AgentSpec, EnvironmentSpec, ToolSpec
+from trainer.spec.data import PromptItem
 
 TOK = chatml_tokenizer()
 EOS = TOK.eos_token_id

@@ -1,11 +1,11 @@
-"""trainer.graders: hand-computed scores for every grader type, templates, formulas, parse errors."""
+"""trainer.grading.graders: hand-computed scores for every grader type, templates, formulas, parse errors."""
 
 import json
 from typing import Any
 
 import pytest
 
-from trainer.graders import (
+from trainer.grading.graders import (
     GRADER_TYPES,
     MAX_FORMULA_CHARS,
     MAX_REGEX_INPUT_CHARS,

@@ -1,4 +1,4 @@
-"""trainer.grading_pool: grading in processes of their own, with a hard time limit per sample (issue 12, finding 5)."""
+"""trainer.grading.pool: grading in processes of their own, with a hard time limit per sample (issue 12, finding 5)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tests.grading_children import misbehaving_command
-from trainer.graders import GraderError, GradeResult, grade, parse_grader
-from trainer.grading_pool import GradingPool, GradingTimeout, GradingUnavailable, Sample, _result
+from trainer.grading.graders import GraderError, GradeResult, grade, parse_grader
+from trainer.grading.pool import GradingPool, GradingTimeout, GradingUnavailable, Sample, _result
 
 OUTPUT = "{{sample.output_text}}"
 EXACT = {"type": "string_check", "name": "exact", "input": OUTPUT, "reference": "{{item.answer}}", "operation": "eq"}
@@ -170,7 +170,7 @@ def test_a_reply_that_is_not_a_result_is_refused(reply: dict[str, Any]) -> None:
 
 def test_a_fresh_process_loads_meteors_wordnet_before_the_first_sample_is_timed() -> None:
     # WordNet takes seconds to load, once per process: more than this pool's sample limit. Loaded while the grader
-    # is validated (trainer.grading_pool.PREPARE_TIMEOUT_S), the first sample's own limit never pays for it.
+    # is validated (trainer.grading.pool.PREPARE_TIMEOUT_S), the first sample's own limit never pays for it.
     meteor = {
         "type": "text_similarity",
         "name": "meteor",

@@ -1,4 +1,4 @@
-"""trainer.json_values: the values every JSON input is checked for (NUL, lone surrogates, non-finite numbers, deep
+"""trainer.spec.json_values: the values every JSON input is checked for (NUL, lone surrogates, non-finite numbers, deep
 nesting, huge integers), each reported with where it is and never echoed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from trainer.json_values import MAX_DEPTH, JsonValueError, check, format_path, loads
+from trainer.spec.json_values import MAX_DEPTH, JsonValueError, check, format_path, loads
 
 
 def nested(depth: int) -> Any:

@@ -1,5 +1,5 @@
-"""trainer.lora_forward: the training engine's LoRA linear forward computes PEFT's function and gradients, follows
-the active adapter, the disabled adapters and dropout as PEFT's does, hands what it does not handle to PEFT, and
+"""trainer.generation.lora_forward: the training engine's LoRA linear forward computes PEFT's function and gradients,
+follows the active adapter, the disabled adapters and dropout as PEFT's does, hands what it does not handle to PEFT, and
 runs contiguous blocks of rows through different adapters as separate forwards would."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from peft import LoraConfig
 from peft.tuners.lora import Linear as LoraLinear
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.config import LoraSpec
-from trainer.lora_forward import NO_ADAPTER, adapter_blocks, installed
-from trainer.models import add_lora
+from trainer.generation.lora_forward import NO_ADAPTER, adapter_blocks, installed
+from trainer.generation.models import add_lora
+from trainer.spec.config import LoraSpec
 
 
 def _model(dropout: float = 0.0) -> torch.nn.Module:

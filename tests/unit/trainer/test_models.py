@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import LoraSpec
-from trainer.models import (
+from trainer.generation.models import (
     MergedSampler,
     add_lora,
     load_base_model,
@@ -17,6 +16,7 @@ from trainer.models import (
     resolve_precision,
     store_frozen_linears_in,
 )
+from trainer.spec.config import LoraSpec
 
 
 @pytest.fixture()
@@ -98,7 +98,7 @@ def test_frozen_linears_in_bf16_give_the_same_autocast_logits_and_fp32_lora(rand
 def test_training_on_cuda_switches_cudnn_attention_off_and_the_cpu_leaves_it() -> None:
     """cuDNN's SDPA backward gives NaN on the fully masked query rows of left padding (an H200 run: NaN gradients
     from the second step): a CUDA training process turns that kernel off; a CPU one leaves the flag alone."""
-    from trainer.models import no_cudnn_attention
+    from trainer.generation.models import no_cudnn_attention
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

@@ -1,4 +1,4 @@
-"""trainer.names: the registries' names declared once, torch-free, and held equal to the registered functions."""
+"""trainer.spec.names: the registries' names declared once, torch-free, and held equal to the registered functions."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from trainer import core_algos, names
-from trainer.config import DPOHyperparameters, GRPOHyperparameters
-from trainer.core_algos import Registry
-from trainer.recipes import Recipe
+from trainer.algorithms import core_algos
+from trainer.algorithms.core_algos import Registry
+from trainer.spec import names
+from trainer.spec.config import DPOHyperparameters, GRPOHyperparameters
+from trainer.spec.recipes import Recipe
 
 
 @pytest.mark.parametrize(
@@ -34,14 +35,14 @@ def test_pairwise_names_are_bradley_terry_and_one_dpo_loss_per_loss_type() -> No
 
 def test_registering_an_undeclared_name_raises_at_registration() -> None:
     reg: Registry = Registry("thing", ("a",))
-    with pytest.raises(ValueError, match=r"^thing 'b' is not declared in trainer.names$"):
+    with pytest.raises(ValueError, match=r"^thing 'b' is not declared in trainer.spec.names$"):
         reg.register("b")
 
 
 def test_a_declared_name_without_a_function_fails_the_completeness_check() -> None:
     reg: Registry = Registry("thing", ("a", "b", "c"))
     reg.register("b")(lambda: 1)
-    with pytest.raises(ValueError, match=r"^thing 'a', 'c' declared in trainer.names but not registered$"):
+    with pytest.raises(ValueError, match=r"^thing 'a', 'c' declared in trainer.spec.names but not registered$"):
         reg.check_complete()
     reg.register("a")(lambda: 1)
     reg.register("c")(lambda: 1)
@@ -70,7 +71,9 @@ def test_a_recipe_naming_an_undeclared_part_is_refused_listing_the_valid_names()
         Recipe("x", "grpo", "gspo", "loss", needs_group=True)
 
 
-@pytest.mark.parametrize("module", ["trainer.names", "trainer.data", "trainer.config", "trainer.recipes"])
+@pytest.mark.parametrize(
+    "module", ["trainer.spec.names", "trainer.spec.data", "trainer.spec.config", "trainer.spec.recipes"]
+)
 def test_module_imports_no_torch(module: str) -> None:
     # A fresh interpreter: this test process has torch loaded already.
     code = f"import sys, {module}; print('torch' in sys.modules)"

@@ -1,15 +1,15 @@
 """OpenAI's reinforcement hyperparameters: `compute_multiplier` scales the samples per prompt, `reasoning_effort`
-selects the chat template's thinking mode (trainer.encoding.thinking_kwargs) where there is one."""
+selects the chat template's thinking mode (trainer.generation.encoding.thinking_kwargs) where there is one."""
 
 from typing import Any
 
 import pytest
 
 from tests.unit.trainer.test_config import GRADER
-from trainer.config import MAX_ROLLOUT, GRPOHyperparameters, PPOHyperparameters, SpecError, parse_spec
-from trainer.data import PromptItem
-from trainer.encoding import encode_prompts, prompt_text, thinking_kwargs
-from trainer.tiny_arith import build_tokenizer
+from trainer.builtin_models.tiny_arith import build_tokenizer
+from trainer.generation.encoding import encode_prompts, prompt_text, thinking_kwargs
+from trainer.spec.config import MAX_ROLLOUT, GRPOHyperparameters, PPOHyperparameters, SpecError, parse_spec
+from trainer.spec.data import PromptItem
 
 
 def spec(method: str = "reinforcement", **hp: Any) -> dict[str, Any]:

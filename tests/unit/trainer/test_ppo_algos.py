@@ -1,12 +1,12 @@
-"""PPO's math in trainer.core_algos: per-token rewards, GAE, the clipped value loss and explained variance, against
-hand-computed values and the invariants of rl-algorithms.md §5 (13, 18, 19, 23)."""
+"""PPO's math in trainer.algorithms.core_algos: per-token rewards, GAE, the clipped value loss and explained variance,
+against hand-computed values and the invariants of rl-algorithms.md §5 (13, 18, 19, 23)."""
 
 import math
 
 import pytest
 import torch
 
-from trainer.core_algos import (
+from trainer.algorithms.core_algos import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
     AdvantageOptions,

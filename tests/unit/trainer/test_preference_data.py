@@ -1,5 +1,5 @@
-"""trainer.data: preference and supervised lines in every accepted format, their errors naming line and problem, and
-their tokenisation (the reply as the policy samples it: its tokens and one EOS)."""
+"""trainer.spec.data: preference and supervised lines in every accepted format, their errors naming line and problem,
+and their tokenisation (the reply as the policy samples it: its tokens and one EOS)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from trainer.data import (
+from trainer.builtin_models.tiny_arith import build_tokenizer
+from trainer.generation.encoding import (
+    LengthGroupedSampler,
+    encode_completion,
+    encode_preferences,
+    encode_supervised,
+    pack_examples,
+)
+from trainer.spec.data import (
     DatasetError,
     PreferenceItem,
     load_preferences,
@@ -18,14 +26,6 @@ from trainer.data import (
     parse_preference_line,
     parse_supervised_line,
 )
-from trainer.encoding import (
-    LengthGroupedSampler,
-    encode_completion,
-    encode_preferences,
-    encode_supervised,
-    pack_examples,
-)
-from trainer.tiny_arith import build_tokenizer
 
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
 

@@ -1,11 +1,11 @@
-"""trainer.core_algos' pairwise losses against closed forms and the invariants of rl-algorithms.md §5 (27, 29, 30)."""
+"""core_algos' pairwise losses against closed forms and the invariants of rl-algorithms.md §5 (27, 29, 30)."""
 
 import math
 
 import pytest
 import torch
 
-from trainer.core_algos import PAIRWISE_LOSSES, PairwiseOptions
+from trainer.algorithms.core_algos import PAIRWISE_LOSSES, PairwiseOptions
 
 LOG2 = math.log(2.0)
 DPO = ["dpo_sigmoid", "dpo_robust", "dpo_ipo", "dpo_hinge"]

@@ -1,4 +1,4 @@
-"""``trainer.progress``: a live bar in a terminal, plain lines in a log (a tenth of a stage each)."""
+"""``trainer.spec.progress``: a live bar in a terminal, plain lines in a log (a tenth of a stage each)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from trainer.progress import stage_progress
+from trainer.spec.progress import stage_progress
 
 
 def run(console: Console) -> None:

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from trainer import evaluate, graders
-from trainer import metrics as M
-from trainer.callbacks import BaseCallback
-from trainer.data import PromptItem
-from trainer.sandbox import sandbox_available
+from trainer.grading import graders
+from trainer.grading.sandbox import sandbox_available
+from trainer.loops import evaluate
+from trainer.spec import metrics as M
+from trainer.spec.callbacks import BaseCallback
+from trainer.spec.data import PromptItem
 
 EXACT = 'def grade(sample, item):\n    return float(sample["output_text"].strip() == item["answer"])\n'
 
@@ -155,7 +156,7 @@ class TestGradeBatch:
         assert (second.kind, second.cause) == ("python_runtime", "exception") and "ZeroDivisionError" in second
 
     def test_no_sandbox_fails_the_job_saying_why(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from trainer.sandbox import PythonSandbox, SandboxConfig
+        from trainer.grading.sandbox import PythonSandbox, SandboxConfig
 
         monkeypatch.setattr(evaluate, "_sandbox", PythonSandbox(SandboxConfig(bwrap="no-such-bwrap")))
         with pytest.raises(graders.GraderFailed, match="no-such-bwrap is not installed"):

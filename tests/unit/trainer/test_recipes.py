@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.recipes import RECIPES, Recipe
+from trainer.spec.recipes import RECIPES, Recipe
 
 
 def test_gae_without_a_critic_and_a_critic_without_gae_are_refused() -> None:

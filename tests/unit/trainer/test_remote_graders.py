@@ -1,5 +1,5 @@
-"""trainer.remote_graders without the network: OpenAI's shapes of score_model, label_model and endpoint graders, the
-strict parsing of a judge's, an endpoint's and an embeddings endpoint's answers, the judge request, the budget, and
+"""trainer.grading.remote_graders without the network: OpenAI's shapes of score_model, label_model and endpoint graders,
+the strict parsing of a judge's, an endpoint's and an embeddings endpoint's answers, the judge request, the budget, and
 what a deployment without a judge or embeddings says. (tests/integration/test_remote_graders.py: real servers.)"""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from trainer import graders
-from trainer.graders import GraderError, parse_grader
-from trainer.remote_graders import (
+from trainer.grading import graders
+from trainer.grading.graders import GraderError, parse_grader
+from trainer.grading.remote_graders import (
     AnswerError,
     BudgetSpent,
     ConfigMissing,

@@ -1,4 +1,4 @@
-"""trainer.reward_model and the reward_model grader: the score read at the last real token (rl-algorithms §5.28),
+"""trainer.loops.reward_model and the reward_model grader: the score read at the last real token (rl-algorithms §5.28),
 a saved reward model reloaded and scored in batches, normalisation, and the errors for folders that are not one."""
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
-from trainer import graders
-from trainer.config import LoraSpec, parse_spec
-from trainer.data import PromptItem
-from trainer.encoding import completion_batch, encode_completion
-from trainer.evaluate import grade_batch
-from trainer.models import add_lora, load_base_model, load_tokenizer
-from trainer.reward_model import (
+from trainer.generation.encoding import completion_batch, encode_completion
+from trainer.generation.models import add_lora, load_base_model, load_tokenizer
+from trainer.generation.rollout import Rollout
+from trainer.grading import graders
+from trainer.loops.evaluate import grade_batch
+from trainer.loops.reward_model import (
     RewardModelInfo,
     build_reward_model,
     check_reward_models,
@@ -25,7 +24,8 @@ from trainer.reward_model import (
     load_reward_model,
     sequence_scores,
 )
-from trainer.rollout import Rollout
+from trainer.spec.config import LoraSpec, parse_spec
+from trainer.spec.data import PromptItem
 
 PROMPTS = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in [(1, 2), (23, 58), (9, 9), (40, 4)]]
 REPLIES = ["3", "81", "", "4444"]
@@ -238,7 +238,7 @@ def test_check_reward_models_names_what_is_wrong_with_the_folder(
 
 
 def test_rl_spec_with_a_missing_reward_model_fails_before_any_weights_load(tmp_path: Path) -> None:
-    from trainer.callbacks import BaseCallback
+    from trainer.spec.callbacks import BaseCallback
     from trainer.train import build_trainer
 
     data = tmp_path / "train.jsonl"

@@ -1,5 +1,6 @@
-"""trainer.rollout on a tiny random Llama: greedy decoding against full forward passes done by hand, EOS and padding
-handling, seeded sampling, and batched log-probs against each sequence alone (rl-algorithms.md §5, items 1–5)."""
+"""trainer.generation.rollout on a tiny random Llama: greedy decoding against full forward passes done by hand, EOS and
+padding handling, seeded sampling, and batched log-probs against each sequence alone (rl-algorithms.md §5, items
+1–5)."""
 
 import copy
 import math
@@ -10,8 +11,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from tests.unit.trainer.conftest import EOS, PAD, VOCAB
-from trainer.core_algos import entropy_from_logits
-from trainer.rollout import (
+from trainer.algorithms.core_algos import entropy_from_logits
+from trainer.generation.rollout import (
     Rollout,
     StaticDecoder,
     _sample_next,
@@ -573,7 +574,7 @@ def test_top_k_samples_only_among_the_k_likeliest(model: LlamaForCausalLM) -> No
 
 
 def test_inverse_cdf_draws_never_land_on_a_zero_weight_token_at_either_end() -> None:
-    from trainer.rollout import _draw
+    from trainer.generation.rollout import _draw
 
     w = torch.tensor([[0.0, 0.2, 0.3, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
     ends = torch.tensor([0.0, 0.0], dtype=torch.float64), torch.tensor([1.0, 1.0], dtype=torch.float64)
@@ -627,7 +628,7 @@ def test_a_static_cache_decoder_samples_what_the_growing_cache_samples(model: Ll
 def test_compile_decode_auto_compiles_only_a_fast_bf16_cpu_sampler_of_a_long_enough_job(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import trainer.generation as generation
+    import trainer.generation.rollout_engine as generation
 
     cpu, long = torch.device("cpu"), generation.COMPILE_MIN_DECODE_STEPS
     monkeypatch.setattr(generation, "fast_bf16_available", lambda device: True)
@@ -645,7 +646,7 @@ def test_a_decode_step_that_cannot_be_compiled_decodes_uncompiled(
 ) -> None:
     """A machine where torch.compile fails (no C++ compiler for inductor's CPU code): the generation goes on eagerly
     on the static cache, samples what the growing cache samples, and the decoder says why."""
-    import trainer.rollout as rollout
+    import trainer.generation.rollout as rollout
 
     def cannot_compile(fn: Any) -> Any:
         def compiled(*args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,5 @@
-"""trainer.sandbox: the python grader's sandbox (issue 13, item 1). Every escape the issue names is a grader that
-scores 1.0 (or says what it found) when the escape works, so that each test fails if it does.
+"""trainer.grading.sandbox: the python grader's sandbox (issue 13, item 1). Every escape the issue names is a grader
+that scores 1.0 (or says what it found) when the escape works, so that each test fails if it does.
 
 The sandbox is required, not optional: where it cannot start (bubblewrap missing, no root), every test here fails
 with the reason (`make test` installs bubblewrap). Limits are small so that the file runs in seconds.
@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from trainer import sandbox as sandbox_module
-from trainer.sandbox import (
+from trainer.grading import sandbox as sandbox_module
+from trainer.grading.sandbox import (
     MAX_SOURCE_BYTES,
     PythonSandbox,
     Result,
@@ -631,7 +631,7 @@ class TestAvailability:
         script.write_text(
             "import sys\n"
             f"sys.path.insert(0, {str(REPO)!r})\n"
-            "from trainer.sandbox import PythonSandbox, SandboxConfig\n"
+            "from trainer.grading.sandbox import PythonSandbox, SandboxConfig\n"
             f"s = PythonSandbox(SandboxConfig(sample_timeout_s=60, uid_base={LIMITS.uid_base}))\n"
             "print('grading', flush=True)\n"
             "s.grade_batch('import time\\ndef grade(a, b):\\n    time.sleep(3600)\\n', [{}], [{}])\n"

@@ -1,4 +1,4 @@
-"""trainer.serving: the inference engine on the random 2-layer model (fp32, CPU) and LoRA adapters made here."""
+"""trainer.serving.inference: the inference engine on the random 2-layer model (fp32, CPU) and adapters made here."""
 
 from __future__ import annotations
 
@@ -9,11 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import LoraSpec
-from trainer.evaluate import decode_completions
-from trainer.generation import HFRolloutEngine, SamplingParams
-from trainer.models import add_lora, load_adapter, load_base_model, load_tokenizer, store_frozen_linears_in
-from trainer.serving import Completion, EngineError, Event, InferenceEngine, Progress, Sampling, Ticket, UnknownModel
+from trainer.generation.models import add_lora, load_adapter, load_base_model, load_tokenizer, store_frozen_linears_in
+from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
+from trainer.loops.evaluate import decode_completions
+from trainer.serving.inference import (
+    Completion,
+    EngineError,
+    Event,
+    InferenceEngine,
+    Progress,
+    Sampling,
+    Ticket,
+    UnknownModel,
+)
+from trainer.spec.config import LoraSpec
 
 CPU = torch.device("cpu")
 PROMPTS = ["What is 1 + 2?", "What is 33 + 48?", "What is 7 + 70?", "What is 99 + 99?", "What is 10 + 5?"]
@@ -144,7 +153,7 @@ def test_a_request_arriving_during_a_wave_joins_it_and_gets_what_it_gets_alone(
 def test_greedy_completions_are_the_trainers_greedy_evaluation(
     engine: InferenceEngine, random_model_dir: Path, adapters: dict[str, Path]
 ) -> None:
-    """What trainer.evaluate decodes from the policy (base + adapter, fp32) is what the engine answers."""
+    """What trainer.loops.evaluate decodes from the policy (base + adapter, fp32) is what the engine answers."""
     tok = load_tokenizer(str(random_model_dir))
     policy = load_adapter(load_base_model(str(random_model_dir), CPU), adapters["a"])
     trainer_engine = HFRolloutEngine(

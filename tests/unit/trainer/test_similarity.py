@@ -1,4 +1,4 @@
-"""trainer.similarity: text_similarity's bleu, gleu, meteor and rouge_* metrics.
+"""trainer.grading.similarity: text_similarity's bleu, gleu, meteor and rouge_* metrics.
 
 Expected values are the libraries' published ones (nltk's doctests for GLEU and METEOR, rouge-score's test cases)
 or computed by hand from the metric's definition (the formula is in the test); none is the library called again.
@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from trainer import similarity
-from trainer.graders import MAX_SIMILARITY_CHARS, grade, parse_grader
-from trainer.similarity import METRICS, bleu, gleu, meteor, rouge_l
+from trainer.grading import similarity
+from trainer.grading.graders import MAX_SIMILARITY_CHARS, grade, parse_grader
+from trainer.grading.similarity import METRICS, bleu, gleu, meteor, rouge_l
 
 rouge_1, rouge_2, rouge_3, rouge_4, rouge_5 = (METRICS[f"rouge_{n}"] for n in range(1, 6))
 
@@ -190,7 +190,8 @@ class TestEveryMetric:
             assert 0.0 <= METRICS[metric](text, reference) <= 1.0
 
     def test_every_openai_metric_but_the_remote_ones_is_here(self) -> None:
-        # OpenAI's evaluation_metric values, less fuzzy_match (trainer.graders) and cosine (an embeddings endpoint)
+        # OpenAI's evaluation_metric values, less fuzzy_match (trainer.grading.graders) and cosine (an embeddings
+        # endpoint)
         expected = {"bleu", "gleu", "meteor", "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l"}
         assert set(METRICS) == expected
         assert similarity.UNAVAILABLE == {}
@@ -289,9 +290,10 @@ class TestTimeAtTheCap:
 
 
 def test_importing_the_graders_imports_neither_nltk_nor_rouge_score() -> None:
-    # The API imports trainer.graders: nltk and rouge-score take about a second each to import, on first use only.
+    # The API imports trainer.grading.graders: nltk and rouge-score take about a second each to import, on first use
+    # only.
     code = (
-        "import sys, trainer.graders; "
+        "import sys, trainer.grading.graders; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'nltk', 'rouge_score', 'numpy', 'absl', 'torch'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

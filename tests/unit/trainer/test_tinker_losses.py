@@ -1,4 +1,4 @@
-"""The policy-loss parts added for Tinker's losses (trainer.core_algos): importance_sampling and cispo in the
+"""The policy-loss parts added for Tinker's losses (trainer.algorithms.core_algos): importance_sampling and cispo in the
 POLICY_LOSSES registry, GSPO-token's behaviour log-probs and DRO's loss, each against its formula by hand (values and
 gradients), and NaN/inf on masked positions reaching neither the loss nor a gradient."""
 
@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from trainer import names
-from trainer.core_algos import (
+from trainer.algorithms.core_algos import (
     AGGREGATIONS,
     POLICY_LOSSES,
     ClipOptions,
@@ -19,6 +18,7 @@ from trainer.core_algos import (
     gspo_token_old_logp,
     masked_sum,
 )
+from trainer.spec import names
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
 

@@ -1,5 +1,5 @@
-"""trainer.tinker_session on a tiny random Llama: Tinker's losses against their documented formulas computed by hand on
-plain unpadded forwards (values and gradients), AdamW against a hand-written step, exact save/restore across
+"""trainer.serving.tinker_session on a tiny random Llama: Tinker's losses against their documented formulas computed by
+hand on plain unpadded forwards (values and gradients), AdamW against a hand-written step, exact save/restore across
 sessions, and sampling's stops, log-probs and weights against independent forwards."""
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from peft import PeftModel
 from torch import Tensor
 from transformers import LlamaForCausalLM
 
-from trainer.models import Precision, load_tokenizer
-from trainer.tinker_session import (
+from trainer.generation.models import Precision, load_tokenizer
+from trainer.serving.tinker_session import (
     STATE_FILE,
     LossInputError,
     SessionInputError,
     TrainingSession,
     saved_lora_choice,
 )
-from trainer.tinker_types import AdamParams, Datum, LoraChoice, SampleParams
+from trainer.spec.tinker_types import AdamParams, Datum, LoraChoice, SampleParams
 
 CPU = torch.device("cpu")
 EOS = 1

@@ -1,4 +1,4 @@
-"""Tests for trainer/tiny_arith.py: the task, tokenizer, datasets and a tiny (few-step) build."""
+"""Tests for trainer/builtin_models/tiny_arith.py: the task, tokenizer, datasets and a tiny (few-step) build."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from trainer import tiny_arith
-from trainer.tiny_arith import (
+from trainer.builtin_models import tiny_arith
+from trainer.builtin_models.tiny_arith import (
     BUILD_INFO_FILE,
     N_VALIDATION,
     answer_text,

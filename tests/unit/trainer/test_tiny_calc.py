@@ -1,5 +1,5 @@
-"""Tests for trainer/tiny_calc.py: the task, the tokenizer and chat template's tool-call round trip, the datasets, the
-episode measurement (against a scripted model) and a tiny (few-step) build."""
+"""Tests for trainer/builtin_models/tiny_calc.py: the task, the tokenizer and chat template's tool-call round trip, the
+datasets, the episode measurement (against a scripted model) and a tiny (few-step) build."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from trainer import calculator_server, tiny_calc
-from trainer.agent_spec import ToolSpec
-from trainer.calculator_server import FUNCTION, TOOL_NAME
-from trainer.tiny_calc import (
+from trainer.agents import calculator_server
+from trainer.agents.calculator_server import FUNCTION, TOOL_NAME
+from trainer.builtin_models import tiny_calc
+from trainer.builtin_models.tiny_calc import (
     BUILD_INFO_FILE,
     TOOL,
     answer_text,
@@ -33,6 +33,7 @@ from trainer.tiny_calc import (
     validation_triples,
     write_calculator_datasets,
 )
+from trainer.spec.agent_spec import ToolSpec
 
 EPISODE = (23, 58, 71)
 CALL_JSON = '{"name": "calculator", "arguments": {"expression": "23+58+71"}}'

@@ -1,4 +1,4 @@
-"""Tool-call parsing per model family and the environment's tokens between turns (trainer.tool_calls)."""
+"""Tool-call parsing per model family and the environment's tokens between turns (trainer.agents.tool_calls)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from trainer import tiny_arith
-from trainer.encoding import prompt_text
-from trainer.tool_calls import (
+from trainer.agents.tool_calls import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
@@ -22,6 +20,8 @@ from trainer.tool_calls import (
     environment_segment,
     parser_for,
 )
+from trainer.builtin_models import tiny_arith
+from trainer.generation.encoding import prompt_text
 
 # --- a small ChatML tokenizer with a Qwen-like template (shared with test_episodes) ------------------------------
 

@@ -1,6 +1,6 @@
-"""trainer.tools.HttpToolExecutor against real HTTP servers on this machine (http.server in a thread): the request it
-sends, the answers it accepts, and every way a tool server can fail (slow, down, 5xx, garbage, too large, 4xx,
-refused by the URL policy), each a ToolResult within the time limits, never an exception or a hang."""
+"""trainer.agents.tools.HttpToolExecutor against real HTTP servers on this machine (http.server in a thread): the
+request it sends, the answers it accepts, and every way a tool server can fail (slow, down, 5xx, garbage, too large,
+4xx, refused by the URL policy), each a ToolResult within the time limits, never an exception or a hang."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from trainer.agent_spec import ToolSpec
-from trainer.remote_graders import RemoteConfig
-from trainer.tools import MAX_TOOL_BYTES, HttpToolExecutor, ToolResult
+from trainer.agents.tools import MAX_TOOL_BYTES, HttpToolExecutor, ToolResult
+from trainer.grading.remote_graders import RemoteConfig
+from trainer.spec.agent_spec import ToolSpec
 
 pytestmark = pytest.mark.alone  # time limits and latencies: under pytest-xdist, no other test beside them
 

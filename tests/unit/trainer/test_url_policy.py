@@ -1,5 +1,5 @@
-"""trainer.url_policy: which URLs a tenant may make the service call (no SSRF into the deployment's network), and the
-pinned request that connects to the address that was checked."""
+"""trainer.grading.url_policy: which URLs a tenant may make the service call (no SSRF into the deployment's network),
+and the pinned request that connects to the address that was checked."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from trainer.url_policy import Resolver, UrlPolicy, UrlRefused, embedded_ipv4, parse_url
+from trainer.grading.url_policy import Resolver, UrlPolicy, UrlRefused, embedded_ipv4, parse_url
 
 DEFAULT = UrlPolicy()
 

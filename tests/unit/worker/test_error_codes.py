@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import SpecError
-from trainer.data import DatasetError
-from trainer.graders import GraderError, GraderFailed
-from trainer.models import ModelError
-from trainer.sandbox import SandboxUnavailable
-from trainer.tools import EnvironmentFailed
+from trainer.agents.tools import EnvironmentFailed
+from trainer.generation.models import ModelError
+from trainer.grading.graders import GraderError, GraderFailed
+from trainer.grading.sandbox import SandboxUnavailable
+from trainer.spec.config import SpecError
+from trainer.spec.data import DatasetError
 from worker.errors import ErrorCode, code_for
 from worker.runner import error_code
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.steps import validation_due
+from trainer.loops.steps import validation_due
 from worker.estimate import (
     Cadence,
     StepTime,

@@ -20,7 +20,7 @@ from api import webhook_events
 from api.repositories.webhooks import DueDelivery
 from api.settings import Settings
 from api.status import JobStatus
-from trainer.url_policy import CLIENT_OPTIONS, UrlPolicy
+from trainer.grading.url_policy import CLIENT_OPTIONS, UrlPolicy
 from worker.webhooks import post, retry_delay
 
 CLIENT = OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1")

@@ -1,0 +1,1 @@
+"""Agents: tools, tool-call formats, multi-turn episodes and the calculator tool server."""

@@ -1,0 +1,1 @@
+"""The training loops and what they share: the engine, steps, checkpoints, evaluation, the critic."""

@@ -1,0 +1,1 @@
+"""Serving: the inference engine, Tinker training sessions and the cookbook glue."""

@@ -1,0 +1,1 @@
+"""The job spec and its parts: the torch-free contract that the API, the worker and the loops share."""
