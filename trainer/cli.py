@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from trainer import builtin_models
 from trainer.generation.models import ModelError
-from trainer.grading import graders
+from trainer.spec import graders
 from trainer.spec import metrics as M
 from trainer.spec.callbacks import BaseCallback, Callbacks, JsonlFiles
 from trainer.spec.config import JobSpec, SpecError, load_spec

@@ -35,7 +35,8 @@ from api.db import session_scope
 from api.repositories import webhooks as webhooks_repo
 from api.services.webhooks import url_policy
 from api.settings import Settings
-from trainer.grading.url_policy import CLIENT_OPTIONS, UrlPolicy, UrlRefused
+from trainer.grading.url_policy import CLIENT_OPTIONS, UrlPolicy
+from trainer.spec.urls import UrlRefused
 from worker.outbox import is_transient
 
 log = logging.getLogger("proxima.webhooks")

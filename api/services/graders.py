@@ -37,13 +37,15 @@ from typing import Any, TypeVar
 from api.errors import ApiError, InvalidRequest, Unavailable
 from api.schemas import GraderRunErrors, GraderRunMetadata, GraderRunResponse
 from api.settings import Settings
-from trainer.agents.tools import check_environment_source
-from trainer.grading import graders, remote_graders
+from trainer.grading import remote_graders
+from trainer.grading.environments import check_environment_source
+from trainer.grading.graders import grade_python_leaves
 from trainer.grading.pool import GradedBatch, GradingPool, GradingTimeout, GradingUnavailable, Sample
 from trainer.grading.remote_graders import EmbeddingsConfig, JudgeConfig, RemoteConfig
 from trainer.grading.sandbox import PythonSandbox, SandboxConfig, SandboxUnavailable, sandbox_available
-from trainer.grading.url_policy import UrlRefused
+from trainer.spec import graders
 from trainer.spec.agent_spec import AgentSpec
+from trainer.spec.urls import UrlRefused
 
 POOL_SIZE = 2
 """Grading processes of one API process: dry-runs of different requests run side by side up to this many."""
@@ -343,7 +345,7 @@ def _run(pool: GradingPool, grader: dict[str, Any], sample: Sample, config: Remo
     check_remote_graders(parsed, config, param="grader")
     start = time.monotonic()
     try:
-        python = graders.grade_python_leaves(parsed, _sandbox(), [sample.output_text], [sample.item])
+        python = grade_python_leaves(parsed, _sandbox(), [sample.output_text], [sample.item])
     except SandboxUnavailable as err:
         raise InvalidRequest(
             f"python graders cannot run on this server: {err}", param="grader", code="sandbox_unavailable"

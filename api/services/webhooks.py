@@ -17,7 +17,8 @@ from api.orm import WebhookEndpoint, now
 from api.repositories import webhooks as webhooks_repo
 from api.schemas_webhooks import WebhookEndpointCreate, WebhookEndpointUpdate
 from api.settings import Settings
-from trainer.grading.url_policy import UrlPolicy, UrlRefused
+from trainer.grading.url_policy import UrlPolicy
+from trainer.spec.urls import UrlRefused
 
 MAX_LIST_LIMIT = 100
 DEFAULT_LIST_LIMIT = 20

@@ -21,8 +21,8 @@ import pytest
 from api.services import graders as graders_service
 from tests.grading_children import misbehaving_command
 from tests.integration.conftest import GRADER, Tenant, assert_error, http_client, job_body
-from trainer.grading.graders import MAX_GRADER_DEPTH, MAX_SIMILARITY_CHARS, MAX_TEMPLATE_CHARS
 from trainer.grading.pool import GradingPool
+from trainer.spec.graders import MAX_GRADER_DEPTH, MAX_SIMILARITY_CHARS, MAX_TEMPLATE_CHARS
 
 pytestmark = pytest.mark.alone  # time limits and latencies: under pytest-xdist, no other test beside them
 

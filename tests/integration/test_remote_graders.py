@@ -12,8 +12,7 @@ from typing import Any, ClassVar
 import pytest
 
 from tests.remote_grader_servers import FLAKY_FAILURES, SLOW_S, Servers, letter_cosine, sum_score
-from trainer.grading import graders
-from trainer.grading.graders import GraderFailed, parse_grader
+from trainer.grading.graders import sample_object
 from trainer.grading.remote_graders import (
     BudgetSpent,
     EmbeddingsConfig,
@@ -23,8 +22,10 @@ from trainer.grading.remote_graders import (
     RemoteScores,
     grade_remote_leaves,
 )
+from trainer.grading.remote_process import configure_remote, remote_budget
 from trainer.loops import evaluate
 from trainer.spec.data import PromptItem
+from trainer.spec.graders import GraderFailed, parse_grader
 
 pytestmark = pytest.mark.usefixtures("fresh_remote_graders")  # conftest: each test sees only its requests
 
@@ -172,14 +173,14 @@ class TestScoreModel:
     def test_a_spent_budget_stops_the_batch_and_fails_the_job(self, servers: Servers) -> None:
         with pytest.raises(BudgetSpent, match="its budget of 2 judge calls"):
             grade(SCORE_MODEL, ["1", "2", "3"], config(servers), budget=2)
-        evaluate.configure_remote(config(servers, max_judge_calls=2))
+        configure_remote(config(servers, max_judge_calls=2))
         try:
             items = [PromptItem(messages=[{"role": "user", "content": QUESTION}], item=ITEM)] * 3
             with pytest.raises(GraderFailed, match="this job has made its budget of 2 judge calls"):
                 evaluate.grade_batch(parse_grader(SCORE_MODEL), ["1", "2", "3"], items)
-            assert evaluate.remote_budget().used == 2
+            assert remote_budget().used == 2
         finally:
-            evaluate.configure_remote(RemoteConfig())
+            configure_remote(RemoteConfig())
 
 
 class TestEndpoint:
@@ -194,7 +195,7 @@ class TestEndpoint:
         requests = servers.state.to("/grade/sum")
         assert len(requests) == 3  # no de-duplication: each sample is a rollout of its own
         bodies = sorted((r.body for r in requests), key=lambda b: b["sample"]["output_text"])
-        assert [b["sample"] for b in bodies] == [graders.sample_object(t) for t in sorted(texts)]
+        assert [b["sample"] for b in bodies] == [sample_object(t) for t in sorted(texts)]
         assert all(b["item"] == ITEM for b in bodies)
         traces = [b["trace_id"] for b in bodies]
         assert all(re.fullmatch(r"trace_[0-9a-f]{32}", t) for t in traces) and len(set(traces)) == 3
@@ -206,7 +207,7 @@ class TestEndpoint:
         scores = grade(self.grader(servers), ["81", "8"], config(servers), finish_reasons=["stop", "length"])
         assert scores.errors == [[], []]
         sent = {r.body["sample"]["output_text"]: r.body["sample"] for r in servers.state.to("/grade/sum")}
-        assert sent == {"81": graders.sample_object("81"), "8": graders.sample_object("8", finish_reason="length")}
+        assert sent == {"81": sample_object("81"), "8": sample_object("8", finish_reason="length")}
         assert sent["8"]["choices"][0]["finish_reason"] == "length"
 
     def test_requests_start_no_faster_than_the_rate_limit(self, servers: Servers) -> None:
@@ -332,16 +333,16 @@ def test_grade_batch_combines_remote_and_pure_leaves_and_counts_failures(servers
     )
     items = [PromptItem(messages=[{"role": "user", "content": QUESTION}], item=ITEM)] * 3
     try:
-        evaluate.configure_remote(config(servers))
+        configure_remote(config(servers))
         scores = evaluate.grade_batch(grader, ["81", "71", "x"], items)
         assert scores.rewards.tolist() == [3.0, 0.5, 0.0]
         assert scores.sub["judge"].tolist() == [1.0, 0.5, 0.0] and scores.sub["exact"].tolist() == [1.0, 0.0, 0.0]
         assert scores.failures == [None, None, None]
-        evaluate.configure_remote(config(servers, "down", max_retries=0))
+        configure_remote(config(servers, "down", max_retries=0))
         scores = evaluate.grade_batch(grader, ["81", "71", "x"], items)
         assert scores.rewards.tolist() == [2.0, 0.0, 0.0]  # the judge's part is 0; the string check still counts
         assert [f.kind if f else None for f in scores.failures] == ["model_grader_server"] * 3
         lone = evaluate.grade_batch(parse_grader(SCORE_MODEL), ["81"], items[:1])
         assert lone.rewards.tolist() == [0.0] and lone.failures[0] is not None
     finally:
-        evaluate.configure_remote(RemoteConfig())
+        configure_remote(RemoteConfig())

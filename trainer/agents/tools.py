@@ -34,12 +34,11 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Protocol, Self, get_args
 
 import httpx
 
-from trainer.grading import environment_runner
+from trainer.grading.environments import environment_session
 from trainer.grading.remote_graders import (
     CallFailed,
     HttpClient,
@@ -47,9 +46,10 @@ from trainer.grading.remote_graders import (
     refuse_constant,
     short,
 )
-from trainer.grading.sandbox import SandboxConfig, SandboxSession, SandboxUnavailable, SessionStopped
-from trainer.grading.url_policy import CLIENT_OPTIONS, Resolver, UrlRefused
+from trainer.grading.sandbox import SandboxConfig, SandboxSession, SessionStopped
+from trainer.grading.url_policy import CLIENT_OPTIONS, Pinned, Resolver
 from trainer.spec.agent_spec import EnvironmentSpec, ToolSpec
+from trainer.spec.urls import UrlRefused
 
 ToolErrorKind = Literal[
     "timeout", "connection", "http_status", "too_large", "bad_answer", "unknown_tool", "refused_url", "environment"
@@ -214,6 +214,9 @@ class HttpToolExecutor:
     async def _call(
         self, call: ToolCallLike, tool: ToolSpec | None, item: Mapping[str, Any], trace_id: str, start: float
     ) -> ToolResult:
+        """The call checked against the tool it names, its server's address resolved and pinned, the request sent
+        (and retried) and the answer read; each failure a ToolResult with its kind."""
+
         def failed(kind: ToolErrorKind, message: str) -> ToolResult:
             return ToolResult(f"Error: {message}", kind, _seconds_since(start))
 
@@ -222,14 +225,28 @@ class HttpToolExecutor:
         if tool.server_url is None:
             return failed("unknown_tool", f"the tool {tool.name!r} has no server to call")
         try:
+            pinned = await self._pin(tool.name, tool.server_url)
+            body = self._body(call, tool.name, item, trace_id)
+            status, content = await self._post(tool, pinned, body)
+        except _CallRefused as err:
+            return failed(err.kind, err.message)
+        output, error = _answer(status, content, call.id, tool.name)
+        return ToolResult(output, error, _seconds_since(start))
+
+    async def _pin(self, name: str, server_url: str) -> Pinned:
+        """The request to the tool's server, pinned to an address the URL policy allows."""
+        try:
             async with asyncio.timeout(self.config.timeout_s):  # a DNS server that does not answer
-                pinned = await self._policy.resolve(tool.server_url, self._resolver)
+                return await self._policy.resolve(server_url, self._resolver)
         except UrlRefused as err:
-            return failed("refused_url", f"the server of the tool {tool.name!r} may not be called: {err}")
+            raise _CallRefused("refused_url", f"the server of the tool {name!r} may not be called: {err}") from None
         except TimeoutError:
-            return failed(
-                "timeout", f"the host of the tool {tool.name!r} did not resolve within {self.config.timeout_s:g} s"
-            )
+            raise _CallRefused(
+                "timeout", f"the host of the tool {name!r} did not resolve within {self.config.timeout_s:g} s"
+            ) from None
+
+    def _body(self, call: ToolCallLike, name: str, item: Mapping[str, Any], trace_id: str) -> bytes:
+        """The function_call payload as JSON, at most ``max_bytes`` long."""
         payload = {
             "type": "function_call",
             "id": f"fc_{uuid.uuid4().hex}",
@@ -242,11 +259,18 @@ class HttpToolExecutor:
         try:
             body = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode("utf-8")
         except (ValueError, TypeError) as err:  # an item or arguments that JSON cannot carry (NaN, a lone surrogate)
-            return failed("too_large", f"the call to {tool.name!r} cannot be sent as JSON ({short(str(err), 200)})")
+            raise _CallRefused(
+                "too_large", f"the call to {name!r} cannot be sent as JSON ({short(str(err), 200)})"
+            ) from None
         if len(body) > self.max_bytes:
-            return failed(
-                "too_large", f"the call to {tool.name!r} is {len(body)} bytes long; at most {self.max_bytes} are sent"
+            raise _CallRefused(
+                "too_large", f"the call to {name!r} is {len(body)} bytes long; at most {self.max_bytes} are sent"
             )
+        return body
+
+    async def _post(self, tool: ToolSpec, pinned: Pinned, body: bytes) -> tuple[int, bytes]:
+        """The status and content of the server's final answer (not a 5xx or 429): a timeout, a connection error, a
+        5xx or a 429 is tried again, ``max_retries`` times after growing backoffs, in the server's turn of slots."""
         own = {k: v for k, v in tool.headers.items() if k.lower() not in _SET_HEADERS}
         headers = {**own, "Content-Type": "application/json", **pinned.headers}
         service = f"tool {pinned.url.host}:{pinned.url.port or (443 if pinned.url.scheme == 'https' else 80)}"
@@ -264,17 +288,26 @@ class HttpToolExecutor:
                     )
             except CallFailed as err:
                 if err.cause == "too_large":
-                    return failed("too_large", f"the answer of {tool.name!r} is larger than {self.max_bytes} bytes")
+                    raise _CallRefused(
+                        "too_large", f"the answer of {tool.name!r} is larger than {self.max_bytes} bytes"
+                    ) from None
                 kind: ToolErrorKind = "timeout" if err.cause == "timeout" else "connection"
                 last = (kind, f"the tool {tool.name!r} did not answer ({err.detail})")
                 continue
             if status >= 500 or status == 429:
                 last = ("http_status", f"the tool {tool.name!r} failed with HTTP {status}: {short(_text(content))}")
                 continue
-            output, error = _answer(status, content, call.id, tool.name)
-            return ToolResult(output, error, _seconds_since(start))
+            return status, content
         kind, message = last
-        return failed(kind, f"{message} (after {tries} tr{'y' if tries == 1 else 'ies'})")
+        raise _CallRefused(kind, f"{message} (after {tries} tr{'y' if tries == 1 else 'ies'})")
+
+
+class _CallRefused(Exception):
+    """A tool call that ends before an answer: its error kind and the message the model is shown."""
+
+    def __init__(self, kind: ToolErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind, self.message = kind, message
 
 
 _SET_HEADERS = frozenset({"host", "content-type", "content-length", "transfer-encoding"})
@@ -325,9 +358,6 @@ def _output(answer: Any, call_id: str) -> str | None:
 
 # ----------------------------------------------------------------------------------------------------
 # Python environments in the sandbox
-
-_ENVIRONMENT_RUNNER = Path(environment_runner.__file__).read_bytes()
-assert len(_ENVIRONMENT_RUNNER) < 60_000, "the runner is sent to bwrap through a pipe, which must hold all of it"
 
 
 class EnvironmentFailed(RuntimeError):
@@ -387,9 +417,7 @@ class PythonEnvironmentExecutor:
 
     def _begin(self, item: Mapping[str, Any]) -> tuple[SandboxSession, list[dict[str, Any]] | None]:
         """A sandbox with the source loaded and reset(item) called, and the messages reset returned."""
-        session = SandboxSession(
-            self.config, _ENVIRONMENT_RUNNER, max_reply_bytes=environment_runner.MAX_REPLY_BYTES + 1024
-        )
+        session = environment_session(self.config)
         try:
             ready = self._request(session, {"source": self.spec.source}, self.config.startup_timeout_s, "load")
             if "fatal" in ready:
@@ -486,26 +514,3 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
     )
-
-
-def check_environment_source(source: str, config: SandboxConfig | None = None) -> str | None:
-    """What is wrong with an environment's source (`environment_runner.source_problem`: size, syntax, top-level
-    `reset(item)` and `step(tool_call)` each taking one positional argument), or None. Parsed in a sandbox within
-    `startup_timeout_s`, never in the caller (hostile source can take seconds of CPU to parse); nothing of it runs.
-    Raises SandboxUnavailable when no sandbox starts."""
-    config = config or SandboxConfig()
-    if len(source.encode("utf-8", "surrogatepass")) > environment_runner.MAX_SOURCE_BYTES:
-        return f"source is longer than {environment_runner.MAX_SOURCE_BYTES} bytes"
-    session = SandboxSession(config, _ENVIRONMENT_RUNNER, max_reply_bytes=environment_runner.MAX_REPLY_BYTES + 1024)
-    try:
-        reply = session.request({"check": source}, config.startup_timeout_s)
-    except SessionStopped as stop:
-        if stop.kind == "timeout":
-            return f"source took longer than {config.startup_timeout_s:g} s to parse"
-        return f"source could not be parsed ({stop.kind}: {stop.message})"
-    finally:
-        session.close()
-    problem = reply.get("problem", 0)
-    if len(reply) != 1 or (problem is not None and not isinstance(problem, str)):
-        raise SandboxUnavailable("the sandbox answered something that is not a source check")
-    return problem

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, get_args
 
-from trainer.grading import graders, similarity
+from trainer.grading import graders as scoring
+from trainer.grading import similarity
+from trainer.spec import graders
 
 SAMPLE_TIMEOUT_S = 10.0
 """The default time limit of one sample (and of validating the grader). Grading one sample takes microseconds to a
@@ -453,7 +455,7 @@ def _serve_batch(grader_json: Any, samples: list[dict[str, Any]], reply: Any) ->
     reply({"grader": validated})
     for sample in samples:
         try:
-            result = graders.grade(
+            result = scoring.grade(  # looked up at each call: tests substitute a misbehaving grade
                 grader,
                 output_text=sample["output_text"],
                 item=sample["item"],

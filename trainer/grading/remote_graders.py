@@ -17,14 +17,14 @@ Every request has a hard time limit (`RemoteConfig.timeout_s`, the whole exchang
 retried up to `max_retries` times after a timeout, a connection error, an HTTP 5xx or a 429, waiting `backoff_s`, then
 twice that, ... (at most MAX_BACKOFF_S, with jitter; a server's `Retry-After` is honoured up to MAX_RETRY_AFTER_S),
 and at most `concurrency` requests go to one service at once. A sample whose request fails for good scores 0.0 with a
-failure kind (`trainer.grading.graders.FAILURE_KINDS`), which the job counts (`trainer.loops.evaluate.GraderMonitor`):
+failure kind (`trainer.spec.graders.FAILURE_KINDS`), which the job counts (`trainer.loops.evaluate.GraderMonitor`):
 one bad answer never fails a job, a grader that fails on most samples does. Answers are parsed strictly: a judge's
 answer must be OpenAI's structured result (JSON, asked for with `response_format` and accepted as well from a server
 that ignores it), an endpoint's `{"score": number}`; a number is never fished out of prose.
 
 Judge calls are counted against a budget (`JudgeBudget`, every request including retries): the worker gives each
 trainer process its job's budget (`RemoteConfig.max_judge_calls`); once it is spent `BudgetSpent` is raised, which
-fails the job (`trainer.grading.graders.GraderFailed`) rather than train on rewards that are no longer the grader's.
+fails the job (`trainer.spec.graders.GraderFailed`) rather than train on rewards that are no longer the grader's.
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ from typing import Any, TypeGuard
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.grading import graders, similarity
-from trainer.grading.graders import GradeError, GradeErrorKind
-from trainer.grading.url_policy import CLIENT_OPTIONS, Pinned, Resolver, UrlPolicy, UrlRefused
+from trainer.grading import similarity
+from trainer.grading.graders import render, sample_object
+from trainer.grading.url_policy import CLIENT_OPTIONS, Pinned, Resolver, UrlPolicy
+from trainer.spec import graders
+from trainer.spec.graders import GradeError, GradeErrorKind
+from trainer.spec.urls import UrlRefused
 
 MAX_BACKOFF_S = 8.0
 MAX_RETRY_AFTER_S = 30.0
@@ -607,7 +610,7 @@ class _Batch:
         finish_reason: graders.FinishReason,
         i: int,
     ) -> _SampleResult:
-        sample = graders.sample_object(text, finish_reason=finish_reason, output_tools=self.tools_of(i))
+        sample = sample_object(text, finish_reason=finish_reason, output_tools=self.tools_of(i))
         trace_id = self.trace_ids[i] if self.trace_ids is not None else f"trace_{uuid.uuid4().hex}"
         payload = {"sample": sample, "item": dict(item), "trace_id": trace_id}
         try:
@@ -636,15 +639,42 @@ class _Batch:
     # -- cosine -----------------------------------------------------------------------------------------------
 
     async def cosine_leaf(self, leaf: graders.TextSimilarityGrader) -> list[_SampleResult]:
-        embeddings = self.config.embeddings
-        assert embeddings is not None  # checked by grade_remote_leaves
+        """The cosine similarity of each sample's rendered input and reference embeddings; each distinct text is
+        embedded once, in chunks of the endpoint's batch size."""
+        pairs, errors = self._cosine_pairs(leaf)
+        texts = list(dict.fromkeys(t for pair in pairs if pair is not None and all(pair) for t in pair))
+        vectors, failures = await self._embed(texts)
+        out: list[_SampleResult] = []
+        for pair, problems in zip(pairs, errors, strict=True):
+            if pair is None:
+                out.append((0.0, problems))
+                continue
+            a, b = pair
+            if not a or not b:  # nothing to embed: identical when both are empty, unrelated when one is
+                out.append((float(a == b), problems))
+                continue
+            failed = failures.get(a) or failures.get(b)
+            if failed is not None:
+                out.append(_embeddings_failure(leaf, failed, problems))
+                continue
+            try:
+                out.append((cosine(vectors[a], vectors[b]), problems))
+            except ValueError as err:
+                out.append(_embeddings_failure(leaf, CallFailed("invalid_answer", str(err)), problems))
+        return out
+
+    def _cosine_pairs(
+        self, leaf: graders.TextSimilarityGrader
+    ) -> tuple[list[tuple[str, str] | None], list[list[GradeError]]]:
+        """Each sample's rendered (input, reference), None where either is longer than cosine compares, and the
+        problems met rendering them."""
         max_chars = similarity.MAX_CHARS.get(leaf.evaluation_metric, graders.MAX_SIMILARITY_CHARS)
         pairs: list[tuple[str, str] | None] = []
         errors: list[list[GradeError]] = []
         for text, item in zip(self.output_texts, self.items, strict=True):
             rendered, problems = [], []
             for template in (leaf.input, leaf.reference):
-                value, found = graders.render(template, leaf.name, output_text=text, item=item)
+                value, found = render(template, leaf.name, output_text=text, item=item)
                 rendered.append(value)
                 problems += found
             too_long = [(f, v) for f, v in zip(("input", "reference"), rendered, strict=True) if len(v) > max_chars]
@@ -659,7 +689,12 @@ class _Batch:
                 )
             pairs.append(None if too_long else (rendered[0], rendered[1]))
             errors.append(problems)
-        texts = list(dict.fromkeys(t for pair in pairs if pair is not None and all(pair) for t in pair))
+        return pairs, errors
+
+    async def _embed(self, texts: list[str]) -> tuple[dict[str, list[float]], dict[str, CallFailed]]:
+        """The embedding of each text, and why for the texts that got none (their chunk's request failed)."""
+        embeddings = self.config.embeddings
+        assert embeddings is not None  # checked by grade_remote_leaves
         vectors: dict[str, list[float]] = {}
         failures: dict[str, CallFailed] = {}
         url = embeddings.base_url.rstrip("/") + "/embeddings"
@@ -688,24 +723,7 @@ class _Batch:
             return fail
 
         await asyncio.gather(*(self.bounded(embed(chunk), unanswered(chunk)) for chunk in chunks))
-        out: list[_SampleResult] = []
-        for pair, problems in zip(pairs, errors, strict=True):
-            if pair is None:
-                out.append((0.0, problems))
-                continue
-            a, b = pair
-            if not a or not b:  # nothing to embed: identical when both are empty, unrelated when one is
-                out.append((float(a == b), problems))
-                continue
-            failed = failures.get(a) or failures.get(b)
-            if failed is not None:
-                out.append(_embeddings_failure(leaf, failed, problems))
-                continue
-            try:
-                out.append((cosine(vectors[a], vectors[b]), problems))
-            except ValueError as err:
-                out.append(_embeddings_failure(leaf, CallFailed("invalid_answer", str(err)), problems))
-        return out
+        return vectors, failures
 
 
 def _judge_messages(
@@ -717,10 +735,8 @@ def _judge_messages(
     """The grader's input as chat-completions messages, its templates rendered (text blocks become `text` parts)."""
     errors: list[GradeError] = []
 
-    def render(template: str) -> str:
-        value, found = graders.render(
-            template, leaf.name, output_text=output_text, item=item, output_tools=output_tools
-        )
+    def fill(template: str) -> str:
+        value, found = render(template, leaf.name, output_text=output_text, item=item, output_tools=output_tools)
         errors.extend(found)
         return value
 
@@ -728,11 +744,11 @@ def _judge_messages(
     for message in leaf.input:
         content: str | list[dict[str, str]]
         if isinstance(message.content, str):
-            content = render(message.content)
+            content = fill(message.content)
         elif isinstance(message.content, graders.TextPart):
-            content = [{"type": "text", "text": render(message.content.text)}]
+            content = [{"type": "text", "text": fill(message.content.text)}]
         else:
-            content = [{"type": "text", "text": render(part.text)} for part in message.content]
+            content = [{"type": "text", "text": fill(part.text)} for part in message.content]
         messages.append({"role": message.role, "content": content})
     return messages, errors
 

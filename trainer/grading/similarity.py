@@ -1,9 +1,10 @@
-"""text_similarity's evaluation metrics beyond fuzzy_match (which is trainer.grading.graders.fuzzy_match).
+"""text_similarity's evaluation metrics beyond fuzzy_match (which is trainer.grading.graders.fuzzy_match); the
+metrics' names, and which are unavailable here, are trainer.spec.graders.text_metrics's.
 
 `METRICS` maps an OpenAI `evaluation_metric` name to `score(text, reference) -> float in [0, 1]` (`text` is the
 rendered `input`, the model's answer; `reference` the rendered `reference`); `MAX_CHARS` gives a metric a lower cap on
-the length of each rendered text than `trainer.grading.graders.MAX_SIMILARITY_CHARS`; `UNAVAILABLE` names a metric this
-machine cannot compute, and why (it is then left out of `METRICS`).
+the length of each rendered text than `trainer.spec.graders.MAX_SIMILARITY_CHARS`; a metric this machine cannot
+compute (`trainer.spec.graders.text_metrics.UNAVAILABLE`) is left out of `METRICS`.
 
 OpenAI's graders guide says only "Computes the BLEU score between input and reference" (GLEU, METEOR, ROUGE alike).
 The libraries are the ones its python-grader image ships, nltk and Google's rouge-score, called as Microsoft's
@@ -47,10 +48,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-# Debian's wordnet-base: WordNet 3.0's database files (index.*, data.*, *.exc, cntlist.rev).
-WORDNET_DIR = Path("/usr/share/wordnet")
-_POS = ("noun", "verb", "adj", "adv")
-_WORDNET_FILES = [f"{kind}.{pos}" for kind in ("index", "data") for pos in _POS] + [f"{pos}.exc" for pos in _POS]
+from trainer.spec.graders.text_metrics import UNAVAILABLE, WORDNET_DIR
 
 # The lexicographer files, numbered 00-44, as the lexnames(5WN) manual page that wordnet-base ships lists them. nltk's
 # WordNet reader reads them from a `lexnames` file, which WordNet's own library has compiled in and Debian no longer
@@ -67,17 +65,6 @@ _CATEGORIES = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
 _LEXNAMES_FILE = "".join(
     f"{number:02d}\t{name}\t{_CATEGORIES[name.split('.')[0]]}\n" for number, name in enumerate(_LEXNAMES)
 )
-
-
-def wordnet_missing(root: Path = WORDNET_DIR) -> str | None:
-    """Why METEOR cannot run here (WordNet's files are not in `root`), or None when they are all there."""
-    missing = [name for name in _WORDNET_FILES if not (root / name).is_file()]
-    if not missing:
-        return None
-    return (
-        f"meteor matches synonyms from WordNet 3.0, which is not installed ({root}/{missing[0]} is missing): "
-        "install Debian's wordnet-base package"
-    )
 
 
 # nltk takes about a second to import and rouge-score as long (it imports nltk and numpy): both are imported on first
@@ -225,8 +212,6 @@ def rouge_l(text: str, reference: str) -> float:
 
     return _score(prediction, target, score)
 
-
-UNAVAILABLE: dict[str, str] = {"meteor": reason} if (reason := wordnet_missing()) else {}
 
 METRICS: dict[str, Callable[[str, str], float]] = {
     "bleu": bleu,

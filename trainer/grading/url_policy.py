@@ -37,21 +37,17 @@ from typing import Any
 
 import httpx
 
+from trainer.spec.urls import SCHEMES, UrlRefused, parse_url
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 """(host, port) → the IP addresses the host resolves to, as strings."""
 
-SCHEMES = ("http", "https")
-MAX_URL_CHARS = 2048
 CLIENT_OPTIONS: dict[str, Any] = {"follow_redirects": False, "trust_env": False}
 """The options of an httpx client that calls pinned URLs: no redirects, no proxies from the environment."""
 
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
-
-
-class UrlRefused(ValueError):
-    """A URL the policy does not allow; the message says why (and names the address when it is the address)."""
 
 
 def _networks(values: Iterable[str], what: str) -> tuple[IPNetwork, ...]:
@@ -170,27 +166,6 @@ class Pinned:
     def extensions(self) -> dict[str, Any]:
         """For HTTPS, the TLS server name and the certificate's expected name: the URL's host, not the address."""
         return {"sni_hostname": self.url.host} if self.url.scheme == "https" else {}
-
-
-def parse_url(url: str, schemes: Sequence[str] = SCHEMES) -> httpx.URL:
-    """The parsed URL when its form is allowed: an absolute URL with one of `schemes`, a host, no user name or
-    password and no fragment, at most MAX_URL_CHARS long. UrlRefused says why not. Its addresses are not checked."""
-    if len(url) > MAX_URL_CHARS:
-        raise UrlRefused(f"longer than {MAX_URL_CHARS} characters")
-    try:
-        parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError, ValueError) as err:
-        raise UrlRefused(f"not a valid URL ({err})") from None
-    if parsed.scheme not in schemes:
-        allowed = " or ".join(f"{s}://" for s in schemes)
-        raise UrlRefused(f"the URL must start with {allowed}")
-    if not parsed.host:
-        raise UrlRefused("the URL has no host")
-    if parsed.userinfo:
-        raise UrlRefused("the URL may not hold a user name or password; send credentials in headers")
-    if parsed.fragment:
-        raise UrlRefused("the URL may not have a #fragment")
-    return parsed
 
 
 async def system_resolver(host: str, port: int) -> list[str]:

@@ -23,11 +23,11 @@ from trainer.agents.tool_calls import parser_for
 from trainer.agents.tools import HttpToolExecutor, PythonEnvironmentExecutor, ToolExecutor
 from trainer.generation.rollout import Rollout
 from trainer.generation.rollout_engine import Generation, RolloutEngine, SamplingParams
-from trainer.grading import graders
 from trainer.grading.remote_graders import RemoteConfig
 from trainer.grading.sandbox import SandboxConfig
 from trainer.loops.engine import cat_padded
 from trainer.loops.evaluate import EvalResult, Scores, grade_batch
+from trainer.spec import graders
 from trainer.spec import metrics as M
 from trainer.spec.agent_spec import AgentSpec, ToolSpec
 from trainer.spec.data import PromptItem

@@ -16,10 +16,13 @@ from trainer.generation.distributed import World
 from trainer.generation.models import Precision
 from trainer.generation.rollout import Rollout
 from trainer.generation.rollout_engine import HFRolloutEngine, RolloutEngine, SamplingParams
-from trainer.grading import graders, remote_graders
 from trainer.grading import pool as grading_pool
+from trainer.grading import remote_graders
+from trainer.grading.graders import grade_python_leaves
+from trainer.grading.remote_process import remote_budget, remote_config
 from trainer.grading.sandbox import PythonSandbox, SandboxUnavailable
 from trainer.loops import reward_model
+from trainer.spec import graders
 from trainer.spec import metrics as M
 from trainer.spec.callbacks import Callback
 from trainer.spec.data import PromptItem
@@ -39,28 +42,6 @@ class Scores:
 
 
 _sandbox: PythonSandbox | None = None
-_DEFAULT_REMOTE = remote_graders.RemoteConfig()
-_remote = (_DEFAULT_REMOTE, remote_graders.JudgeBudget(_DEFAULT_REMOTE.max_judge_calls))
-
-
-def configure_remote(config: remote_graders.RemoteConfig) -> None:
-    """This process's remote graders (score_model, label_model, endpoint, cosine): the deployment's judge,
-    embeddings endpoint, URL policy and limits, as the worker hands them to its trainer process (`worker.runner`), and
-    a fresh judge budget of `config.max_judge_calls`. Until it is called, a process has the defaults: no judge, no
-    embeddings, https URLs to public addresses only."""
-    global _remote
-    _remote = (config, remote_graders.JudgeBudget(config.max_judge_calls))
-
-
-def remote_config() -> remote_graders.RemoteConfig:
-    """This process's remote configuration (`configure_remote`): an agent job's tool calls obey its URL policy and
-    limits as endpoint graders do."""
-    return _remote[0]
-
-
-def remote_budget() -> remote_graders.JudgeBudget:
-    """This process's judge budget (its `used` count says how many judge calls were made)."""
-    return _remote[1]
 
 
 def python_sandbox() -> PythonSandbox:
@@ -111,18 +92,58 @@ def grade_batch(
     (an endpoint grader's `trace_id`)."""
     names = graders.grader_names(grader)
     rows = [it.item for it in items]
+    leaf_scores = _reward_model_scores(grader, texts, rows)
+    batched, batched_errors = _batched_leaf_scores(grader, texts, rows, reasons, output_tools, trace_ids)
+    leaf_scores |= batched
+    if graders.is_batched(grader):  # a python or remote leaf alone: nothing for the grading process to do
+        results = [
+            graders.GradeResult(score, {grader.name: score}, tuple(dict.fromkeys(errs)))
+            for score, errs in zip(leaf_scores[grader.name], batched_errors, strict=True)
+        ]
+    else:
+        results = _grade_in_pool(grader, texts, rows, leaf_scores, output_tools)
+        results = [
+            graders.GradeResult(r.score, r.sub_scores, tuple(dict.fromkeys((*errs, *r.errors)))) if errs else r
+            for r, errs in zip(results, batched_errors, strict=True)
+        ]
+    rewards = torch.tensor([res.score for res in results], dtype=torch.float32)
+    sub = {n: torch.zeros(len(texts), dtype=torch.float32) for n in names}
+    for i, res in enumerate(results):
+        for n, v in res.sub_scores.items():
+            if n in sub:
+                sub[n][i] = v
+    return Scores(rewards, sub, list(texts), [res.errors for res in results])
+
+
+def _reward_model_scores(
+    grader: graders.Grader, texts: Sequence[str], rows: list[dict[str, Any]]
+) -> dict[str, list[float]]:
+    """Each reward_model leaf's scores [N] by its key, each over the whole batch in batched forward passes."""
     by_model: dict[str, Tensor] = {}  # the same reward model, prompt and normalisation are scored once
-    model_scores: dict[str, list[float]] = {}
+    scores: dict[str, list[float]] = {}
     for key, leaf in graders.model_graders(grader):
         same = leaf.model_dump_json(exclude={"name", "batch_size"})
         if same not in by_model:
             by_model[same] = reward_model.score_samples(leaf, texts, rows)
-        model_scores[key] = by_model[same].tolist()
+        scores[key] = by_model[same].tolist()
+    return scores
+
+
+def _batched_leaf_scores(
+    grader: graders.Grader,
+    texts: Sequence[str],
+    rows: list[dict[str, Any]],
+    reasons: Sequence[graders.FinishReason] | None,
+    output_tools: Sequence[Sequence[Mapping[str, Any]]] | None,
+    trace_ids: Sequence[str] | None,
+) -> tuple[dict[str, list[float]], list[list[graders.GradeError]]]:
+    """The python leaves' scores (one sandbox for the batch) and the remote leaves' (concurrent requests) by key,
+    and each sample's errors from them, python's first."""
     try:
-        python = graders.grade_python_leaves(grader, python_sandbox(), texts, rows, reasons, output_tools)
+        python = grade_python_leaves(grader, python_sandbox(), texts, rows, reasons, output_tools)
     except SandboxUnavailable as err:
         raise graders.GraderFailed(f"python graders cannot run on this worker: {err}") from None
-    config, budget = _remote
+    config, budget = remote_config(), remote_budget()
     try:
         remote = remote_graders.grade_remote_leaves(
             grader,
@@ -136,26 +157,8 @@ def grade_batch(
         )
     except remote_graders.BudgetSpent as err:
         raise graders.GraderFailed(str(err)) from None
-    model_scores |= python.scores | remote.scores
-    batched_errors = [[*p, *r] for p, r in zip(python.errors, remote.errors, strict=True)]
-    if graders.is_batched(grader):  # a python or remote leaf alone: nothing for the grading process to do
-        results = [
-            graders.GradeResult(score, {grader.name: score}, tuple(dict.fromkeys(errs)))
-            for score, errs in zip(model_scores[grader.name], batched_errors, strict=True)
-        ]
-    else:
-        results = _grade_in_pool(grader, texts, rows, model_scores, output_tools)
-        results = [
-            graders.GradeResult(r.score, r.sub_scores, tuple(dict.fromkeys((*errs, *r.errors)))) if errs else r
-            for r, errs in zip(results, batched_errors, strict=True)
-        ]
-    rewards = torch.tensor([res.score for res in results], dtype=torch.float32)
-    sub = {n: torch.zeros(len(texts), dtype=torch.float32) for n in names}
-    for i, res in enumerate(results):
-        for n, v in res.sub_scores.items():
-            if n in sub:
-                sub[n][i] = v
-    return Scores(rewards, sub, list(texts), [res.errors for res in results])
+    errors = [[*p, *r] for p, r in zip(python.errors, remote.errors, strict=True)]
+    return python.scores | remote.scores, errors
 
 
 def _grade_in_pool(

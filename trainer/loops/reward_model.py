@@ -53,7 +53,8 @@ from trainer.generation.models import (
     store_frozen_linears_in,
 )
 from trainer.generation.rollout import Rollout, completion_logprobs, position_ids
-from trainer.grading import graders
+from trainer.grading.graders import reward_model_prompt
+from trainer.spec import graders
 from trainer.spec.config import LoraSpec
 
 INFO_FILE = "reward_model.json"
@@ -343,7 +344,7 @@ def score_samples(
     rm = load_reward_model(Path(grader.model))
     prompts = []
     for item in items:
-        prompt = graders.reward_model_prompt(grader, item)
+        prompt = reward_model_prompt(grader, item)
         if prompt is None:
             raise graders.GraderError(
                 f"grader {grader.name!r} takes its prompt from the item's 'messages' or 'prompt', and it has neither"

@@ -14,8 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from trainer.grading import graders
-from trainer.spec import metrics
+from trainer.spec import graders, metrics
 from trainer.spec.agent_spec import AgentSpec
 from trainer.spec.names import AggregationName, DPOLossType, KLEstimatorName
 from trainer.spec.recipes import RECIPES

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from trainer.grading import graders
-from trainer.spec import json_values
+from trainer.spec import graders, json_values
 from trainer.spec.agent_spec import AgentSpec, ToolSpec, parse_line_tools
 
 ROLES = ("system", "developer", "user", "assistant")

@@ -13,19 +13,17 @@ from typing import Any
 
 import pytest
 
-from trainer.grading import graders
-from trainer.grading.graders import (
+from trainer.grading.graders import fuzzy_match, grade
+from trainer.spec import graders
+from trainer.spec.graders import (
     MAX_GRADER_DEPTH,
     MAX_GRADERS,
     MAX_SIMILARITY_CHARS,
     MAX_TEMPLATE_CHARS,
     GraderError,
-    _parse_template,
-    _Ref,
-    fuzzy_match,
-    grade,
     parse_grader,
 )
+from trainer.spec.graders.templates import Ref, parse_template
 
 pytestmark = pytest.mark.alone  # time limits and latencies: under pytest-xdist, no other test beside them
 
@@ -77,9 +75,9 @@ class TestTemplates:
 
     def test_the_worst_template_under_the_cap_parses_in_linear_time(self) -> None:
         # 5,000 `{{` and no `}}`: the old pattern scanned 12.5 M characters; two `find`s scan 10,000.
-        parts, seconds = timed(_parse_template.__wrapped__, "{{" * (MAX_TEMPLATE_CHARS // 2))
+        parts, seconds = timed(parse_template.__wrapped__, "{{" * (MAX_TEMPLATE_CHARS // 2))
         assert parts == ("{{" * (MAX_TEMPLATE_CHARS // 2),) and seconds < 0.05
-        refs, seconds = timed(_parse_template.__wrapped__, "{{item.a}}" * (MAX_TEMPLATE_CHARS // 10))
+        refs, seconds = timed(parse_template.__wrapped__, "{{item.a}}" * (MAX_TEMPLATE_CHARS // 10))
         assert len(refs) == MAX_TEMPLATE_CHARS // 10 and seconds < 0.5
 
     def test_the_parse_finds_what_the_old_regular_expression_found(self) -> None:
@@ -95,23 +93,23 @@ class TestTemplates:
                 end = m.end()
             expected += [text[end:]] if end < len(text) else []
             try:
-                parts = _parse_template.__wrapped__(text)
+                parts = parse_template.__wrapped__(text)
             except ValueError:
                 assert any(isinstance(e, tuple) and e[1] != "item.a" for e in expected), text
                 continue
             assert [p if isinstance(p, str) else ("ref", ".".join((p.namespace, *p.path))) for p in parts] == expected
 
     def test_a_template_over_the_cap_never_enters_the_cache(self) -> None:
-        before = _parse_template.cache_info().currsize
+        before = parse_template.cache_info().currsize
         with pytest.raises(ValueError, match=f"longer than {MAX_TEMPLATE_CHARS} characters"):
-            _parse_template("x" * (MAX_TEMPLATE_CHARS + 1))
-        assert _parse_template.cache_info().currsize == before
-        assert _parse_template.cache_info().maxsize == 256  # at most 256 × 10,000 characters
+            parse_template("x" * (MAX_TEMPLATE_CHARS + 1))
+        assert parse_template.cache_info().currsize == before
+        assert parse_template.cache_info().maxsize == 256  # at most 256 × 10,000 characters
 
     def test_a_template_at_the_cap_is_accepted(self) -> None:
         obj = {**EXACT, "reference": "y" * (MAX_TEMPLATE_CHARS - len("{{item.a}}")) + "{{item.a}}"}
         assert parse_grader(obj).reference.endswith("{{item.a}}")
-        assert _parse_template(obj["reference"])[-1] == _Ref("item", ("a",))
+        assert parse_template(obj["reference"])[-1] == Ref("item", ("a",))
 
 
 class TestRegex:

@@ -1,11 +1,13 @@
-"""trainer.grading.graders: hand-computed scores for every grader type, templates, formulas, parse errors."""
+"""trainer.spec.graders and trainer.grading.graders: hand-computed scores for every grader type, templates, formulas,
+parse errors."""
 
 import json
 from typing import Any
 
 import pytest
 
-from trainer.grading.graders import (
+from trainer.grading.graders import fuzzy_match, grade, parse_last_number
+from trainer.spec.graders import (
     GRADER_TYPES,
     MAX_FORMULA_CHARS,
     MAX_REGEX_INPUT_CHARS,
@@ -23,11 +25,8 @@ from trainer.grading.graders import (
     StringCheckGrader,
     TextSimilarityGrader,
     check_item,
-    fuzzy_match,
-    grade,
     grader_names,
     parse_grader,
-    parse_last_number,
     template_fields,
 )
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from tests.grading_children import misbehaving_command
-from trainer.grading.graders import GraderError, GradeResult, grade, parse_grader
+from trainer.grading.graders import grade
 from trainer.grading.pool import GradingPool, GradingTimeout, GradingUnavailable, Sample, _result
+from trainer.spec.graders import GraderError, GradeResult, parse_grader
 
 OUTPUT = "{{sample.output_text}}"
 EXACT = {"type": "string_check", "name": "exact", "input": OUTPUT, "reference": "{{item.answer}}", "operation": "eq"}

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from trainer.grading import graders
+from trainer.grading.graders import grade, python_grade_error, sample_object
 from trainer.grading.sandbox import sandbox_available
 from trainer.loops import evaluate
+from trainer.spec import graders
 from trainer.spec import metrics as M
 from trainer.spec.callbacks import BaseCallback
 from trainer.spec.data import PromptItem
@@ -60,13 +61,13 @@ class TestModel:
             {"type": "multi", "name": "m", "graders": {"p": python()}, "calculate_output": "p * 2"}
         )
         with pytest.raises(graders.GraderError, match="sandbox"):
-            graders.grade(grader, output_text="x", item={})
-        assert graders.grade(grader, output_text="x", item={}, model_scores={"p": 0.25}).score == 0.5
+            grade(grader, output_text="x", item={})
+        assert grade(grader, output_text="x", item={}, model_scores={"p": 0.25}).score == 0.5
 
 
 class TestSampleObject:
     def test_openais_fields_for_a_chat_completion(self) -> None:
-        assert graders.sample_object('{"a": [1, 2]}') == {
+        assert sample_object('{"a": [1, 2]}') == {
             "output_text": '{"a": [1, 2]}',
             "output_json": {"a": [1, 2]},
             "output_tools": [],
@@ -82,7 +83,7 @@ class TestSampleObject:
 
     @pytest.mark.parametrize("text", ["not json", "", "NaN", "[1, Infinity]", "[" * 100_000])
     def test_output_json_is_null_when_the_text_is_not_json(self, text: str) -> None:
-        assert graders.sample_object(text)["output_json"] is None
+        assert sample_object(text)["output_json"] is None
 
 
 class TestErrorKinds:
@@ -100,7 +101,7 @@ class TestErrorKinds:
         ],
     )
     def test_each_sandbox_result_kind_is_a_runtime_or_server_error(self, cause: str, kind: str) -> None:
-        error = graders.python_grade_error("py", cause, "what happened")
+        error = python_grade_error("py", cause, "what happened")
         assert (error.kind, error.cause) == (kind, cause) and "what happened" in error
         assert error.kind in graders.FAILURE_KINDS
 
@@ -174,7 +175,7 @@ class Recorder(BaseCallback):
 def scores(n: int, failed: int, cause: str = "timeout") -> evaluate.Scores:
     import torch
 
-    error = graders.python_grade_error("py", cause, "grade took longer than 10 s")
+    error = python_grade_error("py", cause, "grade took longer than 10 s")
     errors = [(error,) if i < failed else () for i in range(n)]
     return evaluate.Scores(torch.zeros(n), {}, ["x"] * n, errors)
 

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from trainer.grading import graders
-from trainer.grading.graders import GraderError, parse_grader
+from trainer.grading.graders import grade
 from trainer.grading.remote_graders import (
     AnswerError,
     BudgetSpent,
@@ -33,6 +32,8 @@ from trainer.grading.remote_graders import (
     parse_score,
     score_schema,
 )
+from trainer.spec import graders
+from trainer.spec.graders import GraderError, parse_grader
 
 PROMPT = [
     {"role": "system", "content": "You grade additions."},
@@ -186,13 +187,13 @@ class TestShapes:
         ]
         assert graders.batched_leaf_params(obj) == [p for _, p, _ in keyed]
         scores = {"j": 0.5, "cos": 0.25, "inner.ep": 3.0, "inner.v": 1.0}
-        result = graders.grade(grader, output_text="12", item={"answer": "12"}, model_scores=scores)
+        result = grade(grader, output_text="12", item={"answer": "12"}, model_scores=scores)
         assert result.score == 0.5 + 0.25 + 3.0 + 1.0  # fmt: fuzzy_match of equal texts is 1.0
         assert result.sub_scores == {"j": 0.5, "cos": 0.25, "inner": 3.0, "inner.ep": 3.0, "inner.v": 1.0, "fmt": 1.0}
 
     def test_grading_a_remote_leaf_without_its_batch_score_is_an_error_not_a_zero(self) -> None:
         with pytest.raises(GraderError, match="score_model graders call a judge model over batches of samples"):
-            graders.grade(parse_grader(score_model()), output_text="1", item={})
+            grade(parse_grader(score_model()), output_text="1", item={})
 
 
 class TestAnswers:

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from trainer.grading import similarity
-from trainer.grading.graders import MAX_SIMILARITY_CHARS, grade, parse_grader
+from trainer.grading.graders import grade
 from trainer.grading.similarity import METRICS, bleu, gleu, meteor, rouge_l
+from trainer.spec.graders import MAX_SIMILARITY_CHARS, parse_grader, text_metrics
 
 rouge_1, rouge_2, rouge_3, rouge_4, rouge_5 = (METRICS[f"rouge_{n}"] for n in range(1, 6))
 
@@ -194,15 +195,15 @@ class TestEveryMetric:
         # endpoint)
         expected = {"bleu", "gleu", "meteor", "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l"}
         assert set(METRICS) == expected
-        assert similarity.UNAVAILABLE == {}
+        assert text_metrics.UNAVAILABLE == {}
 
 
 class TestWordNetMissing:
     def test_debians_wordnet_base_is_installed_here(self) -> None:
-        assert similarity.wordnet_missing() is None
+        assert text_metrics.wordnet_missing() is None
 
     def test_a_folder_without_wordnet_says_which_package_to_install(self, tmp_path: Path) -> None:
-        reason = similarity.wordnet_missing(tmp_path)
+        reason = text_metrics.wordnet_missing(tmp_path)
         assert reason == (
             f"meteor matches synonyms from WordNet 3.0, which is not installed ({tmp_path}/index.noun is missing): "
             "install Debian's wordnet-base package"

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from trainer.grading.url_policy import Resolver, UrlPolicy, UrlRefused, embedded_ipv4, parse_url
+from trainer.grading.url_policy import Resolver, UrlPolicy, embedded_ipv4
+from trainer.spec.urls import UrlRefused, parse_url
 
 DEFAULT = UrlPolicy()
 

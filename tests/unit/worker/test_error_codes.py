@@ -7,10 +7,10 @@ import torch
 
 from trainer.agents.tools import EnvironmentFailed
 from trainer.generation.models import ModelError
-from trainer.grading.graders import GraderError, GraderFailed
 from trainer.grading.sandbox import SandboxUnavailable
 from trainer.spec.config import SpecError
 from trainer.spec.data import DatasetError
+from trainer.spec.graders import GraderError, GraderFailed
 from worker.errors import ErrorCode, code_for
 from worker.runner import error_code
 
