@@ -134,11 +134,11 @@ def check_joined_passes(raw: dict[str, Any], out: Path, reps: int = 5) -> None:
     from trainer.spec.config import parse_spec
 
     t = RLTrainer(parse_spec(raw), output_dir=out, callback=BaseCallback(), device=torch.device(DEVICE))
-    critic = t.critic
+    critic = t.models.critic
     assert critic is not None and critic.can_fuse, "the adapter critic can join the policy's passes"
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # distinct adapters: zero B's would make both the identity
-        for n, p in t.model.named_parameters():
+        for n, p in t.models.model.named_parameters():
             if "lora_B" in n:
                 p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(p.device))
         critic.head.weight.copy_(torch.randn(critic.head.weight.shape, generator=g).to(critic.head.weight.device))

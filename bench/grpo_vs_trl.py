@@ -158,6 +158,7 @@ def run_ours(
     import trainer.loops.critic as critic_mod
     import trainer.loops.engine as engine_mod
     import trainer.loops.rl as rl
+    import trainer.loops.rl_collect as rl_collect
     from trainer.spec.callbacks import BaseCallback
 
     phases = PhaseTimer()
@@ -181,8 +182,8 @@ def run_ours(
     generation_mod.generate = phases.wrap(generation_mod.generate, "generation")  # type: ignore[assignment]
     engine_mod.completion_logprobs = phases.wrap(engine_mod.completion_logprobs, logp_phase)  # type: ignore[assignment]
     critic_mod.completion_logprobs = phases.wrap(critic_mod.completion_logprobs, logp_phase)  # type: ignore[assignment]
-    rl.grade_batch = phases.wrap(rl.grade_batch, "reward")  # type: ignore[assignment]
-    rl.decode_completions = phases.wrap(rl.decode_completions, "reward")  # type: ignore[assignment]
+    rl_collect.grade_batch = phases.wrap(rl_collect.grade_batch, "reward")  # type: ignore[assignment]
+    rl_collect.decode_completions = phases.wrap(rl_collect.decode_completions, "reward")  # type: ignore[assignment]
     patch_backward(phases)
     spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps, compile_decode=compile_decode)
     with tempfile.TemporaryDirectory() as out:
@@ -210,7 +211,8 @@ def run_trl(
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.grading import graders
+    from trainer.grading.graders import grade
+    from trainer.spec import graders
 
     phases = PhaseTimer()
     clock = StepClock(warmup, phases)
@@ -219,7 +221,7 @@ def run_trl(
 
     def reward(completions: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
         seen_lengths.extend(len(c) for c in completion_ids)
-        return [graders.grade(grader, output_text=c, item={}).score for c in completions]
+        return [grade(grader, output_text=c, item={}).score for c in completions]
 
     class Clock(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -285,6 +285,7 @@ def run_ours(
     import trainer.loops.critic as critic_mod
     import trainer.loops.engine as engine_mod
     import trainer.loops.rl as rl
+    import trainer.loops.rl_collect as rl_collect
     from trainer.loops.critic import Critic
     from trainer.spec.callbacks import BaseCallback
 
@@ -318,8 +319,8 @@ def run_ours(
     generation_mod.generate = phases.wrap(generation_mod.generate, "generation")  # type: ignore[assignment]
     engine_mod.completion_logprobs = phases.wrap(engine_mod.completion_logprobs, logp_phase)  # type: ignore[assignment]
     critic_mod.completion_logprobs = phases.wrap(critic_mod.completion_logprobs, logp_phase)  # type: ignore[assignment]
-    rl.grade_batch = phases.wrap(rl.grade_batch, "reward")  # type: ignore[assignment]
-    rl.decode_completions = phases.wrap(rl.decode_completions, "reward")  # type: ignore[assignment]
+    rl_collect.grade_batch = phases.wrap(rl_collect.grade_batch, "reward")  # type: ignore[assignment]
+    rl_collect.decode_completions = phases.wrap(rl_collect.decode_completions, "reward")  # type: ignore[assignment]
     Critic.values = phases.wrap(Critic.values, critic_phase)  # type: ignore[method-assign]
     # the adapter critic's passes joined to the policy's: the rollout's three as one, the update's two as one
     Critic.rollout_scores = phases.wrap(Critic.rollout_scores, "scores")  # type: ignore[method-assign]
@@ -329,7 +330,8 @@ def run_ours(
     spec = our_spec(model_dir, prompts, precision, max_steps=warmup + steps, critic=critic, reward_model=reward_model)
     with tempfile.TemporaryDirectory() as out:
         t = rl.RLTrainer(spec, output_dir=Path(out), callback=Clock(), device=torch.device(DEVICE))
-        assert t.critic is not None and t.critic.shared and t.critic.trunk == (critic == "policy_trunk"), (
+        value_model = t.models.critic
+        assert value_model is not None and value_model.shared and value_model.trunk == (critic == "policy_trunk"), (
             "the benchmark's critic is a second adapter on the policy's base or a head on its trunk"
         )
         # Wraps the scheduler's own step-tracking wrapper, so the scheduler still sees every optimiser step.
@@ -355,7 +357,8 @@ def run_trl(
     from transformers import AutoTokenizer, TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
-    from trainer.grading import graders
+    from trainer.grading.graders import grade
+    from trainer.spec import graders
 
     phases = PhaseTimer()
     clock = StepClock(warmup, phases)
@@ -364,7 +367,7 @@ def run_trl(
 
     def reward(completions: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
         seen_lengths.extend(len(c) for c in completion_ids)
-        return [graders.grade(grader, output_text=c, item={}).score for c in completions]
+        return [grade(grader, output_text=c, item={}).score for c in completions]
 
     class Clock(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

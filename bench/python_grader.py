@@ -5,8 +5,9 @@ score in the sandbox (trainer.grading.sandbox: one bubblewrap sandbox per batch)
 Both graders give every sample the same score, so both runs sample the same completions and take the same updates:
 their held-out accuracies must agree, and the difference of their step times is the python grader's cost. Each side
 runs in its own subprocess (the script re-run with ``--worker``), alternating which goes first from round to round;
-the grading time is measured directly too (the wall time of `trainer.loops.rl.grade_batch`, wrapped). Each run waits for
-the 1-minute load average to fall below 1 (at most 5 minutes), and ``/proc/loadavg`` is read before and after it.
+the grading time is measured directly too (the wall time of `trainer.loops.rl_collect.grade_batch`, wrapped). Each run
+waits for the 1-minute load average to fall below 1 (at most 5 minutes), and ``/proc/loadavg`` is read before and
+after it.
 
     .venv/bin/python bench/python_grader.py --rounds 3 --steps 40
 
@@ -53,7 +54,7 @@ def worker(side: str, steps: int, seed: int) -> None:
 
     from trainer.builtin_models import shipped
     from trainer.builtin_models.tiny_arith import write_arithmetic_datasets
-    from trainer.loops import rl
+    from trainer.loops import rl_collect
     from trainer.spec.callbacks import JsonlFiles
     from trainer.spec.config import parse_spec
     from trainer.train import train
@@ -63,7 +64,7 @@ def worker(side: str, steps: int, seed: int) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"python-grader-bench-{side}-"))
     write_arithmetic_datasets(work / "data")
     grading: list[float] = []
-    original = rl.grade_batch
+    original = rl_collect.grade_batch
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -72,7 +73,7 @@ def worker(side: str, steps: int, seed: int) -> None:
         finally:
             grading.append(time.perf_counter() - start)
 
-    rl.grade_batch = timed  # type: ignore[assignment]
+    rl_collect.grade_batch = timed  # type: ignore[assignment]
     spec = parse_spec(
         {
             "model": str(model),

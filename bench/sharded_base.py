@@ -98,7 +98,7 @@ def rank(side: str, model_dir: Path, prompts: Path, steps: int, warmup: int, out
         steps_peak = peak_rss_mib()
     from torch.distributed.tensor import DTensor
 
-    frozen = [p for p in t.model.parameters() if not p.requires_grad]
+    frozen = [p for p in t.models.model.parameters() if not p.requires_grad]
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in frozen)  # this rank's
     (out / f"rank{world.rank}.json").write_text(
         json.dumps({"step_s": times, "peak_rss_mib": steps_peak, "run_peak_rss_mib": whole_peak, "numel": held})

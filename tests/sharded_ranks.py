@@ -12,9 +12,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.builtin_models.tiny_arith import build_tokenizer
+from trainer.generation import distributed
 from trainer.generation.models import autocast
 from trainer.generation.rollout import generate, left_pad
-from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams, distributed
+from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
 from trainer.loops.engine import load_policy
 from trainer.spec.config import LoraSpec
 

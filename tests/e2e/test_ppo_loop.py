@@ -29,12 +29,12 @@ def test_ppo_records_value_metrics_and_trains_policy_and_critic_on_one_base(
 ) -> None:
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=2))
     t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
-    assert t.critic is not None and t.critic.shared
-    assert set(t.model.peft_config) == {"default", CRITIC_ADAPTER}  # one base, two adapters
-    frozen = {n: p.detach().clone() for n, p in t.model.named_parameters() if "lora_" not in n}
-    policy_before = [p.detach().clone() for p in t.params]
-    critic_before = [p.detach().clone() for p in t.critic_params]
-    assert not {id(p) for p in t.params} & {id(p) for p in t.critic_params}
+    assert t.models.critic is not None and t.models.critic.shared
+    assert set(t.models.model.peft_config) == {"default", CRITIC_ADAPTER}  # one base, two adapters
+    frozen = {n: p.detach().clone() for n, p in t.models.model.named_parameters() if "lora_" not in n}
+    policy_before = [p.detach().clone() for p in t.models.params]
+    critic_before = [p.detach().clone() for p in t.models.critic_params]
+    assert not {id(p) for p in t.models.params} & {id(p) for p in t.models.critic_params}
     res = t.run()
 
     last = read_metrics(tmp_path)[-1]
@@ -56,12 +56,12 @@ def test_ppo_records_value_metrics_and_trains_policy_and_critic_on_one_base(
     assert last[M.LOSS_VALUE] > 0 and 0 <= last[M.VALUE_CLIP_FRAC] <= 1
     # the non-score reward is −β·(sequence KL), the KL metric its per-token mean: same sign, β apart
     assert (last[M.NON_SCORE_REWARD] <= 0) == (last[M.KL_MEAN] >= 0)
-    for n, p in t.model.named_parameters():
+    for n, p in t.models.model.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, frozen[n]), n  # the base is shared and frozen
-    assert any(not torch.equal(a, b) for a, b in zip(policy_before, t.params, strict=True))
-    assert any(not torch.equal(a, b) for a, b in zip(critic_before, t.critic_params, strict=True))
-    assert t.model.active_adapter == "default"  # the critic's forward switched back
+    assert any(not torch.equal(a, b) for a, b in zip(policy_before, t.models.params, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(critic_before, t.models.critic_params, strict=True))
+    assert t.models.model.active_adapter == "default"  # the critic's forward switched back
 
     # The result is the policy's adapter alone: it loads with PEFT and reproduces the policy.
     assert res.adapter_dir is not None
@@ -73,19 +73,19 @@ def test_ppo_records_value_metrics_and_trains_policy_and_critic_on_one_base(
 
     from trainer.generation.rollout import completion_logprobs, generate, left_pad
 
-    ids, mask = left_pad(t.train_ids[:4], t.tokenizer.pad_token_id)
+    ids, mask = left_pad(t.prompts.train_ids[:4], t.prompts.tokenizer.pad_token_id)
     ro = generate(
-        t.model,
+        t.models.model,
         ids,
         mask,
         max_new_tokens=6,
-        eos_id=t.tokenizer.eos_token_id,
-        pad_id=t.tokenizer.pad_token_id,
+        eos_id=t.prompts.tokenizer.eos_token_id,
+        pad_id=t.prompts.tokenizer.pad_token_id,
         temperature=1.0,
         generator=torch.Generator().manual_seed(0),
     )
     with torch.no_grad():
-        mine, _ = completion_logprobs(t.model, ro, temperature=1.0, precision="fp32")
+        mine, _ = completion_logprobs(t.models.model, ro, temperature=1.0, precision="fp32")
         base = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).eval()
         reloaded = PeftModel.from_pretrained(base, str(res.adapter_dir)).eval()
         again, _ = completion_logprobs(reloaded, ro, temperature=1.0, precision="fp32")
@@ -122,11 +122,11 @@ def test_ppo_resume_restores_critic_and_kl_controller_exactly(
 def test_ppo_with_a_separate_value_model(random_model_dir: Path, arithmetic_data: Path, tmp_path: Path) -> None:
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1, value_model=str(random_model_dir)))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
-    assert t.critic is not None and not t.critic.shared
-    assert set(t.model.peft_config) == {"default"}
-    head_before = t.critic.head.weight.detach().clone()
+    assert t.models.critic is not None and not t.models.critic.shared
+    assert set(t.models.model.peft_config) == {"default"}
+    head_before = t.models.critic.head.weight.detach().clone()
     m = t.run().final_metrics
-    assert M.LOSS_VALUE in m and not torch.equal(head_before, t.critic.head.weight)
+    assert M.LOSS_VALUE in m and not torch.equal(head_before, t.models.critic.head.weight)
 
 
 def test_ppo_refuses_a_value_model_with_another_vocabulary(
@@ -160,13 +160,13 @@ def test_ppo_refuses_a_value_model_with_another_vocabulary(
 def _distinct_adapters(t: RLTrainer) -> None:
     """Random LoRA B's and head, different for the policy and the critic: zero-initialised B's make both adapters
     the identity, where routing a row through the wrong one would go unseen."""
-    assert t.critic is not None
+    assert t.models.critic is not None
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for n, p in t.model.named_parameters():
+        for n, p in t.models.model.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-        t.critic.head.weight.copy_(torch.randn(t.critic.head.weight.shape, generator=g))
+        t.models.critic.head.weight.copy_(torch.randn(t.models.critic.head.weight.shape, generator=g))
 
 
 def test_the_adapter_critic_shares_the_policys_passes_with_the_same_results(
@@ -177,43 +177,43 @@ def test_the_adapter_critic_shares_the_policys_passes_with_the_same_results(
     backward give the policy's and the critic's gradients of two separate forwards and backwards."""
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
-    assert t.critic is not None and t.critic.can_fuse
+    assert t.models.critic is not None and t.models.critic.can_fuse
     _distinct_adapters(t)
     ro = t.collect().rollout
     m = ro.completion_mask.bool()
     with torch.no_grad():
         old = t.engine.logprobs(ro, temperature=1.0, micro_batch_size=None)
         ref = t.engine.logprobs(ro, temperature=1.0, micro_batch_size=None, reference=True)
-        values = t.critic.rollout_values(ro, precision="fp32", micro_batch_size=None)
+        values = t.models.critic.rollout_values(ro, precision="fp32", micro_batch_size=None)
     assert (old - ref)[m].abs().max() > 1e-2 and values[m].std() > 1e-2  # the three passes differ
     for mbs in (None, 3):
-        f_old, f_ref, f_values = t.critic.rollout_scores(
+        f_old, f_ref, f_values = t.models.critic.rollout_scores(
             ro, policy=True, reference=True, temperature=1.0, precision="fp32", micro_batch_size=mbs
         )
         torch.testing.assert_close(f_old[m], old[m], rtol=0, atol=1e-5)
         torch.testing.assert_close(f_ref[m], ref[m], rtol=0, atol=1e-5)
         torch.testing.assert_close(f_values[m], values[m], rtol=0, atol=1e-5)
-    (only_v,) = t.critic.rollout_scores(
+    (only_v,) = t.models.critic.rollout_scores(
         ro, policy=False, reference=False, temperature=1.0, precision="fp32", micro_batch_size=None
     )
     torch.testing.assert_close(only_v[m], values[m], rtol=0, atol=1e-5)
 
     weights = torch.randn(ro.completion_ids.shape, generator=torch.Generator().manual_seed(3)) * m
-    params = [*t.params, *t.critic_params]
+    params = [*t.models.params, *t.models.critic_params]
 
     def grads() -> list[torch.Tensor]:
         out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
         t.engine.zero_grad()
-        for p in t.critic_params:
+        for p in t.models.critic_params:
             p.grad = None
         return out
 
     t.engine.zero_grad()
     logp, _, _ = t.engine.forward(ro, temperature=1.0)
     (logp * weights).sum().backward()
-    (t.critic.values(ro, precision="fp32") * weights).sum().backward()
+    (t.models.critic.values(ro, precision="fp32") * weights).sum().backward()
     separate = grads()
-    f_logp, ent, v = t.critic.forward_with_policy(ro, temperature=1.0, precision="fp32", with_entropy=True)
+    f_logp, ent, v = t.models.critic.forward_with_policy(ro, temperature=1.0, precision="fp32", with_entropy=True)
     assert ent is not None and ent.shape == ro.completion_ids.shape
     torch.testing.assert_close(f_logp[m], logp.detach()[m], rtol=0, atol=1e-5)
     ((f_logp + v) * weights).sum().backward()
@@ -221,8 +221,8 @@ def test_the_adapter_critic_shares_the_policys_passes_with_the_same_results(
     assert sum(int(g.abs().sum() > 0) for g in separate) == len(params)  # every LoRA matrix and the head
     for a, b in zip(separate, fused, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
-    assert t.model.active_adapter == "default"
-    assert not any(mod._forward_pre_hooks for mod in t.model.modules())  # the routing is gone after the pass
+    assert t.models.model.active_adapter == "default"
+    assert not any(mod._forward_pre_hooks for mod in t.models.model.modules())  # the routing is gone after the pass
     again, _, _ = t.engine.forward(ro, temperature=1.0)
     assert torch.equal(again, logp)
 
@@ -237,11 +237,13 @@ def test_ppo_with_the_passes_shared_trains_as_with_separate_passes(
     for fuses in (True, False):
         out = tmp_path / str(fuses)
         t = RLTrainer(parse_spec(raw), output_dir=out, callback=JsonlFiles(out))
-        assert t.critic is not None and t.critic.can_fuse and not t.critic.fuses  # joined on CUDA only
-        t.critic.fuses = fuses
+        critic = t.models.critic
+        assert critic is not None and critic.can_fuse and not critic.fuses  # joined on CUDA only
+        critic.fuses = fuses
         t.engine.share_prompts = False  # the joined passes run whole rows: the separate ones too (same rounding)
         t.run()
-        runs.append((deterministic(read_metrics(out)), [p.detach().clone() for p in (*t.params, *t.critic_params)]))
+        trained = (*t.models.params, *t.models.critic_params)
+        runs.append((deterministic(read_metrics(out)), [p.detach().clone() for p in trained]))
     (m_fused, w_fused), (m_apart, w_apart) = runs
     assert len(m_fused) == len(m_apart) == 4  # the validation before step 1, then the 3 steps
     for a, b in zip(m_fused, m_apart, strict=True):
@@ -263,9 +265,9 @@ def count_scoring_passes(t: RLTrainer) -> dict[str, int]:
         return logprobs(*a, reference=reference, **kw)
 
     t.engine.logprobs = counted_logprobs  # type: ignore[method-assign]
-    if t.critic is None:
+    if t.models.critic is None:
         return calls
-    critic = t.critic
+    critic = t.models.critic
     values, both, fused = critic.rollout_values, critic.rollout_logprobs_and_values, critic.rollout_scores
 
     def counted_values(*a: Any, **kw: Any) -> Any:
@@ -329,11 +331,11 @@ def test_old_logprobs_from_the_updates_first_forward_train_as_a_scoring_pass(
     for from_update in (True, False):
         out = tmp_path / str(from_update)
         t = RLTrainer(parse_spec(raw), output_dir=out, callback=JsonlFiles(out))
-        assert not t.rollout_engine.exact_logprobs
+        assert not t.models.rollout_engine.exact_logprobs
         if critic == "fused":
-            assert t.critic is not None and t.critic.can_fuse
-            t.critic.fuses = True
-        t.old_from_update = from_update
+            assert t.models.critic is not None and t.models.critic.can_fuse
+            t.models.critic.fuses = True
+        t.scorer.old_from_update = from_update
         t.engine.share_prompts = False  # the scoring passes and the update's forward round alike
         calls = count_scoring_passes(t)
         t.run()
@@ -344,7 +346,8 @@ def test_old_logprobs_from_the_updates_first_forward_train_as_a_scoring_pass(
             "critic": {"adapter": 3, "fused": 3, "policy_trunk": policy, None: 0}[critic],
         }
         assert calls == expected
-        runs.append((deterministic(read_metrics(out)), [p.detach().clone() for p in (*t.params, *t.critic_params)]))
+        trained = (*t.models.params, *t.models.critic_params)
+        runs.append((deterministic(read_metrics(out)), [p.detach().clone() for p in trained]))
     (m_in, w_in), (m_apart, w_apart) = runs
     assert len(m_in) == len(m_apart) == 4  # the validation before step 1, then the 3 steps
     for a, b in zip(m_in, m_apart, strict=True):
@@ -366,7 +369,7 @@ def test_critic_fits_per_token_targets_through_its_adapter_and_head(
 
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
-    assert t.critic is not None
+    assert t.models.critic is not None
     batch = t.collect()
     t.score(batch)
     ro = batch.rollout
@@ -374,19 +377,19 @@ def test_critic_fits_per_token_targets_through_its_adapter_and_head(
     # A target V_t can be read from what position t sees: the parity of the previous completion token (0.5 first)
     prev = torch.nn.functional.pad(ro.completion_ids[:, :-1], (1, 0), value=-1)
     targets = torch.where(prev < 0, torch.full_like(mask, 0.5), (prev % 2).float() * 2 - 1) * mask
-    policy = [p.detach().clone() for p in t.params]
-    opt = torch.optim.Adam(t.critic_params, lr=3e-3)  # 1e-2 oscillates on some CPUs' rollouts
+    policy = [p.detach().clone() for p in t.models.params]
+    opt = torch.optim.Adam(t.models.critic_params, lr=3e-3)  # 1e-2 oscillates on some CPUs' rollouts
     losses = []
     for _ in range(60):
         opt.zero_grad()
-        loss = masked_mean((t.critic.values(ro, precision="fp32") - targets) ** 2, mask)
+        loss = masked_mean((t.models.critic.values(ro, precision="fp32") - targets) ** 2, mask)
         loss.backward()
         opt.step()
         losses.append(float(loss))
     assert losses[-1] < 0.05 * losses[0], (losses[0], losses[-1])
-    assert all(p.grad is None or not p.grad.any() for p in t.params)
-    assert all(torch.equal(a, b) for a, b in zip(policy, t.params, strict=True))
-    lora_grads = [p.grad for p in t.critic_params[:-2]]
+    assert all(p.grad is None or not p.grad.any() for p in t.models.params)
+    assert all(torch.equal(a, b) for a, b in zip(policy, t.models.params, strict=True))
+    lora_grads = [p.grad for p in t.models.critic_params[:-2]]
     assert any(g is not None and g.abs().sum() > 0 for g in lora_grads)  # not the head alone
 
 
@@ -395,10 +398,11 @@ def test_ppo_on_the_policy_trunk_has_one_adapter_and_trains_policy_and_head(
 ) -> None:
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=2, critic="policy_trunk"))
     t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
-    assert t.critic is not None and t.critic.trunk
-    assert set(t.model.peft_config) == {"default"}  # no critic adapter: the head reads the policy's hidden states
-    assert t.critic_params == list(t.critic.head.parameters())
-    policy_before = [p.detach().clone() for p in t.params]
+    assert t.models.critic is not None and t.models.critic.trunk
+    # no critic adapter: the head reads the policy's hidden states
+    assert set(t.models.model.peft_config) == {"default"}
+    assert t.models.critic_params == list(t.models.critic.head.parameters())
+    policy_before = [p.detach().clone() for p in t.models.params]
     t.run()
 
     last = read_metrics(tmp_path)[-1]
@@ -406,8 +410,8 @@ def test_ppo_on_the_policy_trunk_has_one_adapter_and_trains_policy_and_head(
         assert key in last, key
     assert last[M.LOSS_VALUE] > 0
     assert last[M.VALUE_MEAN] != 0  # the zero-initialised head moved after step 1: step 2's V_old is not 0
-    assert t.critic.head.weight.abs().sum() > 0
-    assert any(not torch.equal(a, b) for a, b in zip(policy_before, t.params, strict=True))
+    assert t.models.critic.head.weight.abs().sum() > 0
+    assert any(not torch.equal(a, b) for a, b in zip(policy_before, t.models.params, strict=True))
 
 
 def test_trunk_value_loss_backpropagates_into_the_policy_lora(
@@ -419,20 +423,20 @@ def test_trunk_value_loss_backpropagates_into_the_policy_lora(
 
     spec = parse_spec(ppo_spec(random_model_dir, arithmetic_data, max_steps=1, critic="policy_trunk"))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
-    assert t.critic is not None
-    torch.nn.init.normal_(t.critic.head.weight)
+    assert t.models.critic is not None
+    torch.nn.init.normal_(t.models.critic.head.weight)
     batch = t.collect()
     t.score(batch)
     ro = batch.rollout
     assert batch.values is not None and batch.values.abs().sum() > 0  # V_old from the policy's no-grad pass
     # PPO's KL goes into the per-token rewards, not into the sequence's
     assert torch.equal(batch.samples.rewards, batch.samples.grader_rewards)
-    _, _, hidden = completion_logprobs(t.model, ro, temperature=1.0, precision="fp32", with_hidden=True)
-    v = t.critic.head_values(hidden)
+    _, _, hidden = completion_logprobs(t.models.model, ro, temperature=1.0, precision="fp32", with_hidden=True)
+    v = t.models.critic.head_values(hidden)
     assert v.shape == ro.completion_ids.shape
     (v * ro.completion_mask).sum().backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in t.critic_params)
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in t.params)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in t.models.critic_params)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in t.models.params)
 
 
 def test_ppo_on_the_policy_trunk_resumes_exactly(random_model_dir: Path, arithmetic_data: Path, tmp_path: Path) -> None:

@@ -146,7 +146,7 @@ def test_micro_batches_give_the_same_update_as_the_full_batch(
         t = RLTrainer(spec, output_dir=tmp_path / str(micro), callback=BaseCallback())
         results.append(t.run().final_metrics)
         # One step of one mini-batch: .grad still holds that mini-batch's accumulated gradient.
-        params.append({n: p.grad.clone() for n, p in t.model.named_parameters() if p.requires_grad})
+        params.append({n: p.grad.clone() for n, p in t.models.model.named_parameters() if p.requires_grad})
     assert results[0][M.LOSS_POLICY] != 0.0
     assert results[1][M.LOSS_POLICY] == pytest.approx(results[0][M.LOSS_POLICY], rel=1e-5)
     assert results[1][M.GRAD_NORM] == pytest.approx(results[0][M.GRAD_NORM], rel=1e-5)
@@ -186,19 +186,19 @@ def test_saved_adapter_reloaded_with_peft_reproduces_the_policy_logprobs(
     spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=2))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback())
     res = t.run()
-    ids, mask = left_pad(t.train_ids[:6], t.tokenizer.pad_token_id)
+    ids, mask = left_pad(t.prompts.train_ids[:6], t.prompts.tokenizer.pad_token_id)
     ro = generate(
-        t.model,
+        t.models.model,
         ids,
         mask,
         max_new_tokens=6,
-        eos_id=t.tokenizer.eos_token_id,
-        pad_id=t.tokenizer.pad_token_id,
+        eos_id=t.prompts.tokenizer.eos_token_id,
+        pad_id=t.prompts.tokenizer.pad_token_id,
         temperature=1.0,
         generator=torch.Generator().manual_seed(0),
     )
     with torch.no_grad():
-        trained, _ = completion_logprobs(t.model, ro, temperature=1.0, precision="fp32")
+        trained, _ = completion_logprobs(t.models.model, ro, temperature=1.0, precision="fp32")
         base = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).eval()
         with_base, _ = completion_logprobs(base, ro, temperature=1.0, precision="fp32")
         reloaded = PeftModel.from_pretrained(base, str(res.adapter_dir)).eval()
@@ -295,7 +295,7 @@ def test_bf16_run_samples_from_the_merged_copy_and_trains(
 ) -> None:
     spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=2, precision="bf16"))
     t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
-    engine = t.rollout_engine
+    engine = t.models.rollout_engine
     assert isinstance(engine, HFRolloutEngine) and engine.merged is not None
     assert t.precision == "bf16" and not engine.exact_logprobs  # bf16 rounding: the loop recomputes old log-probs
     res = t.run()
@@ -303,7 +303,7 @@ def test_bf16_run_samples_from_the_merged_copy_and_trains(
     assert all(v == v for v in last.values())  # no NaN
     assert last[M.GRAD_NORM] > 0 and res.adapter_dir is not None
     # The sampler holds exactly the current policy's merged weights after a push and a sync.
-    engine.push_weights(t.model, t.engine.weights_version)
+    engine.push_weights(t.models.model, t.engine.weights_version)
     sampler, _ = engine.sampling_model()
     for target, lora in engine.merged.pairs:
         expected = (lora.base_layer.weight + lora.get_delta_weight("default")).to(torch.bfloat16)
@@ -319,7 +319,7 @@ def test_fp32_policy_sampling_itself_gives_the_old_logprobs_without_a_policy_pas
     the ratio's denominator over GRPO's second pass): no no-grad policy pass runs, and they equal that pass's."""
     spec = parse_spec(make_spec(random_model_dir, arithmetic_data, method=method, max_steps=1, **hp))
     t = RLTrainer(spec, output_dir=tmp_path, callback=JsonlFiles(tmp_path))
-    engine = t.rollout_engine
+    engine = t.models.rollout_engine
     assert isinstance(engine, HFRolloutEngine) and engine.merged is None and engine.exact_logprobs
     batch = t.collect()
     t.score(batch)
@@ -429,8 +429,8 @@ def test_a_compiled_decode_step_trains_as_the_growing_cache_does(
         rec = Recorder()
         spec = parse_spec(make_spec(random_model_dir, arithmetic_data, max_steps=2, compile_decode=setting))
         t = RLTrainer(spec, output_dir=out, callback=Callbacks(JsonlFiles(out), rec))
-        assert isinstance(t.rollout_engine, HFRolloutEngine)
-        assert t.rollout_engine.decode == ("compiled" if setting == "on" else "dynamic")
+        assert isinstance(t.models.rollout_engine, HFRolloutEngine)
+        assert t.models.rollout_engine.decode == ("compiled" if setting == "on" else "dynamic")
         t.run()
         compiled = [m for _, m in rec.events if m.startswith("compiled the decode step")]
         assert len(compiled) == (1 if setting == "on" else 0), rec.events

@@ -86,7 +86,7 @@ def test_a_scripted_engine_trains_the_policy_toward_its_right_answers(
     t = RLTrainer(
         parse_spec(raw), output_dir=tmp_path, callback=JsonlFiles(tmp_path), rollout_engine=scripted(half_right)
     )
-    engine = t.rollout_engine
+    engine = t.models.rollout_engine
     assert isinstance(engine, ScriptedEngine)
 
     batch = t.collect()
@@ -94,8 +94,8 @@ def test_a_scripted_engine_trains_the_policy_toward_its_right_answers(
 
     def margin() -> float:
         with torch.no_grad():
-            lp_right, _ = completion_logprobs(t.model, right, temperature=1.0, precision="fp32")
-            lp_wrong, _ = completion_logprobs(t.model, wrong, temperature=1.0, precision="fp32")
+            lp_right, _ = completion_logprobs(t.models.model, right, temperature=1.0, precision="fp32")
+            lp_wrong, _ = completion_logprobs(t.models.model, wrong, temperature=1.0, precision="fp32")
         return float((lp_right * right.policy_mask).sum() - (lp_wrong * wrong.policy_mask).sum())
 
     before = margin()
@@ -174,18 +174,18 @@ def test_two_turn_episodes_train_on_policy_tokens_only(
     extra = {"group_size": 2, "batch_size": 4, "iterations_per_batch": 2} if method == "ppo" else {}
     raw = make_spec(random_model_dir, arithmetic_data, method, max_steps=2, max_completion_tokens=12, **extra)
     t = RLTrainer(parse_spec(raw), output_dir=tmp_path, callback=JsonlFiles(tmp_path), rollout_engine=TwoTurnEngine)
-    assert t.rollout_engine.exact_logprobs
+    assert t.models.rollout_engine.exact_logprobs
 
     batch = t.collect()
     ro = batch.rollout
-    e = len(t.rollout_engine.env)  # type: ignore[attr-defined]
+    e = len(t.models.rollout_engine.env)  # type: ignore[attr-defined]
     env = (ro.completion_mask.bool() & ~ro.policy_mask.bool()).float()
     assert env.sum(-1).tolist() == [2.0 * e] * len(batch)  # two environment segments per episode
     assert torch.equal(batch.loss_mask, ro.policy_mask.float())
     # the engine's log-probs are the trainer's own on the policy's tokens: the behaviour policy needs no pass
     t.score(batch)
     with torch.no_grad():
-        full, _ = completion_logprobs(t.model, ro, temperature=1.0, precision="fp32")
+        full, _ = completion_logprobs(t.models.model, ro, temperature=1.0, precision="fp32")
     sampled = batch.samples.sampling_logp
     assert sampled is not None
     torch.testing.assert_close(sampled * ro.policy_mask, full * ro.policy_mask, rtol=0, atol=1e-4)

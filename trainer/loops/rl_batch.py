@@ -1,6 +1,6 @@
 """What the online RL loop's phases pass to each other (``trainer.loops.rl``), typed: the recipe's parts with their
-knobs, the graded samples of a draw, the step's batch and what scoring adds to it, the advantages, the update's sums,
-and the metrics and rollout records read from a batch.
+knobs and its math from the registries, the graded samples of a draw, the step's batch and what scoring adds to it,
+the advantages, the update's sums, and the metrics and rollout records read from a batch.
 """
 
 from __future__ import annotations
@@ -12,10 +12,24 @@ import torch
 from torch import Tensor
 
 from trainer.agents.episodes import Episode
-from trainer.algorithms.core_algos import masked_mean
+from trainer.algorithms.core_algos import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageEstimator,
+    AdvantageOptions,
+    Aggregation,
+    ClipOptions,
+    KLEstimator,
+    PolicyLoss,
+    masked_mean,
+)
 from trainer.generation.rollout import Rollout
+from trainer.generation.rollout_engine import Generation
 from trainer.loops.agent import episode_metrics, episode_record
 from trainer.loops.engine import cat_padded
+from trainer.loops.evaluate import Scores
 from trainer.spec import metrics as M
 from trainer.spec.config import DAPOHyperparameters, RLHyperparameters
 from trainer.spec.data import PromptItem
@@ -47,6 +61,41 @@ class Parts:
             dynamic_sampling_batches=int(_knob(hp, "max_sampling_batches")) if dynamic else None,
             overlong=(int(buffer), factor) if recipe.overlong_shaping and factor > 0 else None,
             critic=recipe.critic,
+        )
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """The recipe's math, taken from the registries once: the advantage estimator, the policy loss, the loss
+    aggregation and the KL estimator, with their options."""
+
+    advantage: AdvantageEstimator
+    policy_loss: PolicyLoss
+    aggregate: Aggregation
+    kl: KLEstimator
+    adv_opts: AdvantageOptions
+    clip: ClipOptions
+    # With one pass over one mini-batch the policy that sampled is the policy being updated: old = logp.detach()
+    # makes ρ ≡ 1 exactly (as TRL does) instead of relying on two forward passes agreeing bit for bit.
+    on_policy: bool
+
+    @classmethod
+    def of(cls, recipe: Recipe, hp: RLHyperparameters) -> Algorithm:
+        return cls(
+            advantage=ADVANTAGE_ESTIMATORS.get(recipe.advantage),
+            policy_loss=POLICY_LOSSES.get(recipe.policy_loss),
+            aggregate=AGGREGATIONS.get(hp.loss_aggregation),
+            kl=KL_ESTIMATORS.get(hp.kl_estimator),
+            adv_opts=AdvantageOptions(
+                scale=getattr(hp, "scale_rewards", "group"),
+                std_eps=getattr(hp, "std_eps", 1e-4),
+                baseline=getattr(hp, "baseline", "batch_mean"),
+                gamma=getattr(hp, "gamma", 1.0),
+                lam=getattr(hp, "lam", 1.0),
+                whiten=getattr(hp, "whiten_advantages", False),
+            ),
+            clip=ClipOptions(hp.epsilon_low, hp.epsilon_high, hp.dual_clip),
+            on_policy=hp.iterations_per_batch == 1 and hp.mini_batches == 1,
         )
 
 
@@ -107,6 +156,26 @@ class Samples:
         )
 
 
+@dataclass(frozen=True)
+class Graded:
+    """One completion per prompt (an agent job: one episode), graded: the generation, its rows on the CPU, their
+    texts, the grader's scores and the episodes."""
+
+    generation: Generation
+    rollout: Rollout
+    texts: list[str]
+    scores: Scores
+    episodes: list[Episode] | None
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A draw's graded (and shaped) samples, and the seconds its generation took."""
+
+    samples: Samples
+    seconds: float
+
+
 @dataclass
 class DrawStats:
     groups_sampled: int = 0
@@ -138,7 +207,7 @@ class Batch:
 
 @dataclass
 class Sums:
-    """Per-step sums over micro-batches; turned into means by :meth:`RLTrainer.optimise`."""
+    """Per-step sums over micro-batches; turned into means by :meth:`trainer.loops.rl_update.Updater.optimise`."""
 
     tokens: float = 0.0
     clip_low: float = 0.0
