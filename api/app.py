@@ -13,13 +13,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors, notify
@@ -103,41 +104,58 @@ class RequestIdMiddleware:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
+    """The app bound to ``settings`` (the environment's when none): its routes, error envelope, OpenAPI document,
+    request guard and request ids; the database is prepared when it starts (:func:`_lifespan`)."""
     settings = settings or get_settings()
     _install_log_record_factory()
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if settings.database_url is None or settings.broker_url is None or settings.artifacts is None:
-            settings.home.mkdir(parents=True, exist_ok=True)  # the embedded backends live under PROXIMA_HOME
-        if settings.run_migrations:
-            from api.migrate import upgrade
-
-            upgrade(settings.db_url)
-        try:
-            await run_in_threadpool(jobs_service.warm_up_reads, settings.db_url)
-        except SQLAlchemyError as err:  # not migrated yet, or the database is down: /readyz says which
-            startup_log.warning("the database reads were not warmed up: %s", err)
-        # Tinker's held polls are woken by the workers' notifications where the database sends them
-        listener = None
-        if notify.supported(settings.db_url):
-            listener = notify.Listener(settings.db_url, notify.DONE_CHANNEL).start()
-        app.state.tinker_done = listener
-        try:
-            yield
-        finally:
-            if listener is not None:
-                listener.stop()
-
     app = FastAPI(
         title="Proxima",
         version="0.1.0",
         description="Self-hosted RL fine-tuning with OpenAI's fine-tuning API.",
-        lifespan=lifespan,
+        lifespan=partial(_lifespan, settings=settings),
         docs_url=None,  # FastAPI's pages load scripts from a CDN: ours are served from the package (api.routes.docs)
         redoc_url=None,
     )
     errors.install(app)
+    app.state.routes = _install_routes(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(RequestGuard, settings=settings, routes=app.state.routes)
+    app.add_middleware(RequestIdMiddleware, slow_ms=settings.slow_request_ms)
+    # Routes read the settings from here (api.deps.SettingsDep). Not through app.dependency_overrides: while any
+    # override is set, FastAPI re-inspects every dependency's signature on every request (a fifth of a job read).
+    app.state.settings = settings
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
+    """The app's life: the database migrated (when asked) and its reads warmed up before the first request, and the
+    listener of the workers' notifications (where the database sends them) while it serves."""
+    if settings.database_url is None or settings.broker_url is None or settings.artifacts is None:
+        settings.home.mkdir(parents=True, exist_ok=True)  # the embedded backends live under PROXIMA_HOME
+    if settings.run_migrations:
+        from api.migrate import upgrade
+
+        upgrade(settings.db_url)
+    try:
+        await run_in_threadpool(jobs_service.warm_up_reads, settings.db_url)
+    except SQLAlchemyError as err:  # not migrated yet, or the database is down: /readyz says which
+        startup_log.warning("the database reads were not warmed up: %s", err)
+    # Tinker's held polls are woken by the workers' notifications where the database sends them
+    listener = None
+    if notify.supported(settings.db_url):
+        listener = notify.Listener(settings.db_url, notify.DONE_CHANNEL).start()
+    app.state.tinker_done = listener
+    try:
+        yield
+    finally:
+        if listener is not None:
+            listener.stop()
+
+
+def _install_routes(app: FastAPI) -> list[BaseRoute]:
+    """Include every router, the dashboard and the docs. Returns every route and mount, flat (FastAPI wraps an
+    included router in one opaque entry): what a 405's Allow lists and what names a bad path parameter."""
     routers = (
         files.router,
         jobs.router,
@@ -154,19 +172,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router)
     dashboard.install(app)
     docs.install(app)
-    # Every route and mount, flat (FastAPI wraps an included router in one opaque entry): what a 405's Allow lists
-    # and what names a bad path parameter.
-    app.state.routes = [
+    return [
         *(r for r in app.router.routes if isinstance(r, Route | Mount)),
         *(r for router in (*routers, dashboard.router, docs.router) for r in router.routes),
     ]
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    app.add_middleware(RequestGuard, settings=settings, routes=app.state.routes)
-    app.add_middleware(RequestIdMiddleware, slow_ms=settings.slow_request_ms)
-    # Routes read the settings from here (api.deps.SettingsDep). Not through app.dependency_overrides: while any
-    # override is set, FastAPI re-inspects every dependency's signature on every request (a fifth of a job read).
-    app.state.settings = settings
-    return app
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -294,6 +294,34 @@ class EpisodeRunner:
         engine's device and whether it gave log-probs."""
         cfg = self.config
         limits = [min(cfg.max_turn_tokens, cfg.max_tokens - len(r.ids)) for r in active]
+        out, logprobs = self._sample(active, limits, step, params, generator)
+        ids, lengths, no_eos = out.completion_ids.cpu(), out.lengths.tolist(), out.truncated.tolist()
+
+        pending: list[tuple[_Row, list[tuple[ToolCall, Future[ToolOutcome]]]]] = []
+        for j, row in enumerate(active):
+            n = min(int(lengths[j]), limits[j])
+            turn = ids[j, :n].tolist()
+            row.append(turn, policy=True, logprobs=logprobs[j, :n].tolist() if logprobs is not None else None)
+            row.episode.turns += 1
+            calls = self._reply(row, turn, step, cut=no_eos[j] or int(lengths[j]) > limits[j])
+            if calls:
+                pending.append((row, [(c, pool.submit(self._call, row, c)) for c in calls]))
+
+        # Every call of every episode was submitted before the first wait: their latencies overlap.
+        for row, submitted in pending:
+            self._answer(row, [(call, future.result()) for call, future in submitted])
+        return out.completion_ids.device, logprobs is not None
+
+    def _sample(
+        self,
+        active: list[_Row],
+        limits: list[int],
+        step: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> tuple[Rollout, torch.Tensor | None]:
+        """The turn's replies of every active episode, each row at most its ``limits`` tokens, in one generation: its
+        rollout and the tokens' log-probs [N, C] on the CPU (None when the engine gives none)."""
         # One generate for the batch; a row with a smaller limit than the batch's is cut to it afterwards, which
         # is exactly what sampling with its own limit would have produced (tokens are drawn left to right).
         width = max(limits)
@@ -307,44 +335,35 @@ class EpisodeRunner:
             gen = self.engine.generate(rows, turn_params, generator=None, row_seeds=seeds)
         else:
             gen = self.engine.generate(rows, turn_params, generator=generator)
-        out = gen.rollout
-        ids, lengths, no_eos = out.completion_ids.cpu(), out.lengths.tolist(), out.truncated.tolist()
-        logprobs = gen.logprobs.float().cpu() if gen.logprobs is not None else None
+        return gen.rollout, gen.logprobs.float().cpu() if gen.logprobs is not None else None
 
-        pending: list[tuple[_Row, list[tuple[ToolCall, Future[ToolOutcome]]]]] = []
-        for j, row in enumerate(active):
-            n = min(int(lengths[j]), limits[j])
-            turn = ids[j, :n].tolist()
-            row.append(turn, policy=True, logprobs=logprobs[j, :n].tolist() if logprobs is not None else None)
-            row.episode.turns += 1
-            if no_eos[j] or int(lengths[j]) > limits[j]:
-                row.say({"role": "assistant", "content": self._decode(turn)})
-                row.end(truncated=True)
-                continue
-            text = self._decode(turn[:-1])  # without the EOS that ended the turn
-            try:
-                parsed = self.parser.parse(text)
-            except ToolCallFormatError as err:
-                log.debug("episode %s: format error in turn %d: %s", row.episode.trace_id, step, err)
-                row.say({"role": "assistant", "content": text})
-                row.end(format_error=True)
-                continue
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            if parsed.calls:
-                message["tool_calls"] = [c.chat_completions() for c in parsed.calls]
-                row.episode.output_tools.extend(message["tool_calls"])
-            row.say(message)
-            if not parsed.calls:
-                row.end()
-            elif step == cfg.max_episode_steps:
-                row.end(truncated=True)  # no turn follows to read the results: the calls are not run
-            else:
-                pending.append((row, [(c, pool.submit(self._call, row, c)) for c in parsed.calls]))
-
-        # Every call of every episode was submitted before the first wait: their latencies overlap.
-        for row, submitted in pending:
-            self._answer(row, [(call, future.result()) for call, future in submitted])
-        return out.completion_ids.device, logprobs is not None
+    def _reply(self, row: _Row, turn: list[int], step: int, *, cut: bool) -> list[ToolCall]:
+        """Read one episode's reply of this turn (``turn`` its tokens; ``cut`` when it ran out of tokens before its
+        EOS) into its messages: the tool calls to run, none when the reply ends the episode."""
+        if cut:
+            row.say({"role": "assistant", "content": self._decode(turn)})
+            row.end(truncated=True)
+            return []
+        text = self._decode(turn[:-1])  # without the EOS that ended the turn
+        try:
+            parsed = self.parser.parse(text)
+        except ToolCallFormatError as err:
+            log.debug("episode %s: format error in turn %d: %s", row.episode.trace_id, step, err)
+            row.say({"role": "assistant", "content": text})
+            row.end(format_error=True)
+            return []
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [c.chat_completions() for c in parsed.calls]
+            row.episode.output_tools.extend(message["tool_calls"])
+        row.say(message)
+        if not parsed.calls:
+            row.end()
+            return []
+        if step == self.config.max_episode_steps:
+            row.end(truncated=True)  # no turn follows to read the results: the calls are not run
+            return []
+        return parsed.calls
 
     def _call(self, row: _Row, call: ToolCall) -> ToolOutcome:
         """One call: the executor for a tool the episode offers (or for any name when it offers none: an

@@ -341,105 +341,220 @@ def generate(
     ``share_prompts``: rows with the same prompt (a group's samples) share its prefill (:func:`distinct_prompts`):
     each distinct prompt is run once and its keys and values copied to its rows (on either cache).
     """
-    device = prompt_ids.device
-    n = prompt_ids.shape[0]
-    mask = prompt_mask.clone()
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
-    stops = None if stop_ids is None else torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    p = prompt_ids.shape[1]
-    static = None
-    if decoder is not None:  # the whole mask from the start: the prompt's, then a 0 for every position to come
-        static, length = decoder.cache(n, p, max_new_tokens)
-        mask = torch.cat([mask, mask.new_zeros((n, length - p))], dim=1)
-    from transformers.cache_utils import StaticLayer
+    forwards = _Forwards(model, prompt_ids, prompt_mask, max_new_tokens, decoder, precision)
+    logits = forwards.prefill(prompt_ids, prompt_mask, share_prompts)
+    rows = _Completions.empty(
+        len(prompt_ids), max_new_tokens, prompt_ids.device, pad_id, eos_id, stop_ids, stop_text, with_logprobs
+    )
+    uniforms = None if row_seeds is None else row_uniforms(row_seeds, max_new_tokens, prompt_ids.device)
+    sampler = _Sampler(eos_id, temperature, top_p, top_k, min_new_tokens, generator, uniforms)
+    _decode(forwards, rows, sampler, logits, max_new_tokens, lockstep)
+    return rows.result(prompt_ids, prompt_mask)
 
-    shared = distinct_prompts(model, prompt_ids, prompt_mask) if share_prompts else None
-    if shared is not None and static is not None and any(type(layer) is not StaticLayer for layer in static.layers):
-        shared = None
-    with autocast(precision, device):
-        if shared is not None:
-            first, inverse, past = shared
-            step = prompts_forward(model, prompt_ids[first], prompt_mask[first], past)
-            if static is None:
-                past.reorder_cache(inverse)
-            else:  # each row's prompt written into the static cache, as a prefill of all rows would have written it
-                for mine, theirs in zip(static.layers, past.layers, strict=True):
-                    mine.update(theirs.keys[inverse], theirs.values[inverse])
-                past = static
-            logits = step.logits[inverse, -1]
-        else:
-            step = model(
+
+@dataclass
+class _Sampler:
+    """How :func:`generate` picks each row's next token: EOS held off (its logit −inf) for the first
+    ``min_new_tokens``, then the top-k and top-p cuts at ``temperature``, drawn from ``generator`` or, with row seeds,
+    from each row's own ``uniforms``."""
+
+    eos_id: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_new_tokens: int
+    generator: torch.Generator | None
+    uniforms: Tensor | None  # [N, max_new_tokens] each row's own U(0, 1) draws (row_seeds), else None
+
+    def next_token(self, logits: Tensor, t: int) -> Tensor:
+        """Token t of each row, [N], from the logits [N, V] that predict it."""
+        if t < self.min_new_tokens:
+            logits = logits.clone()
+            logits[:, self.eos_id] = float("-inf")
+        return _sample_next(
+            top_k_logits(logits, self.top_k),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            generator=self.generator,
+            uniform=None if self.uniforms is None else self.uniforms[:, t],
+        )
+
+    def logprob(self, logits: Tensor, tok: Tensor) -> Tensor:
+        """log π(tok) [N] fp32: the T-scaled log-softmax of the model's logits [N, V], before EOS is held off and
+        before the top-k and top-p cuts (what a full forward gives :func:`completion_logprobs`)."""
+        z = logits.float() / (max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else 1.0)
+        return z.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1)
+
+
+@dataclass
+class _Completions:
+    """The completions of :func:`generate` as they are sampled: each row's tokens (pad once it ended), whether and
+    where it ended, and its tokens' log-probs when asked for (0 past its end)."""
+
+    tokens: Tensor  # [N, max_new_tokens], pad_id where nothing was sampled
+    done: Tensor  # [N] bool: the row ended (a stop token, or its stop text)
+    lengths: Tensor  # [N] the tokens up to and including the one that ended the row; max_new_tokens while it runs
+    logps: Tensor | None  # [N, max_new_tokens] fp32; None: not asked for
+    pad_id: int
+    eos_id: int
+    stops: Tensor | None  # the ids that end a row; None: EOS alone
+    stop_text: Callable[[list[int]], bool] | None
+
+    @classmethod
+    def empty(
+        cls,
+        n: int,
+        max_new_tokens: int,
+        device: torch.device,
+        pad_id: int,
+        eos_id: int,
+        stop_ids: Sequence[int] | None,
+        stop_text: Callable[[list[int]], bool] | None,
+        with_logprobs: bool,
+    ) -> _Completions:
+        return cls(
+            tokens=torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device),
+            done=torch.zeros(n, dtype=torch.bool, device=device),
+            lengths=torch.full((n,), max_new_tokens, dtype=torch.long, device=device),
+            logps=torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device) if with_logprobs else None,
+            pad_id=pad_id,
+            eos_id=eos_id,
+            stops=None if stop_ids is None else torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device),
+            stop_text=stop_text,
+        )
+
+    def add(self, t: int, tok: Tensor, logits: Tensor, sampler: _Sampler) -> Tensor:
+        """Token t of each row, [N] (pad where the row had ended), its log-prob under the ``logits`` that predicted it
+        and the rows it ends; the tokens as kept."""
+        tok = torch.where(self.done, torch.full_like(tok, self.pad_id), tok)
+        self.tokens[:, t] = tok
+        if self.logps is not None:
+            lp = sampler.logprob(logits, tok)
+            self.logps[:, t] = torch.where(self.done, torch.zeros_like(lp), lp)
+        hit = tok == self.eos_id if self.stops is None else torch.isin(tok, self.stops)
+        if self.stop_text is not None:
+            ends = self.stop_text
+            texts = [
+                i for i in range(len(tok)) if not self.done[i] and not hit[i] and ends(self.tokens[i, : t + 1].tolist())
+            ]
+            hit[texts] = True
+        newly = (~self.done) & hit
+        self.lengths = torch.where(newly, torch.full_like(self.lengths, t + 1), self.lengths)
+        self.done = self.done | newly
+        return tok
+
+    def result(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout | tuple[Rollout, Tensor]:
+        """The rollout, its completions as wide as the longest (and the log-probs [N, C] when asked for)."""
+        width = int(self.lengths.max())
+        cmask = (torch.arange(width, device=self.lengths.device).unsqueeze(0) < self.lengths.unsqueeze(-1)).long()
+        rollout = Rollout(prompt_ids, prompt_mask, self.tokens[:, :width], cmask, self.lengths, ~self.done)
+        if self.logps is not None:
+            return rollout, self.logps[:, :width]
+        return rollout
+
+
+class _Forwards:
+    """The model's forwards for one :func:`generate`: the prompts' prefill, then one token of each row a step, on the
+    model's growing KV cache or on ``decoder``'s static one (whose attention mask is whole from the start)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        max_new_tokens: int,
+        decoder: StaticDecoder | None,
+        precision: Precision,
+    ) -> None:
+        self.model, self.decoder, self.precision = model, decoder, precision
+        self.device = prompt_ids.device
+        n, self.p = prompt_ids.shape
+        self.mask = prompt_mask.clone()
+        self.static: Any = None
+        if decoder is not None:  # the whole mask from the start: the prompt's, then a 0 for every position to come
+            self.static, length = decoder.cache(n, self.p, max_new_tokens)
+            self.mask = torch.cat([self.mask, self.mask.new_zeros((n, length - self.p))], dim=1)
+        self.past: Any = self.static
+        self.pos = position_ids(prompt_mask)[:, -1:]  # [N, 1] the position of each row's last token
+
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, share_prompts: bool) -> Tensor:
+        """Run the prompts into the cache: the logits [N, V] that predict each row's first token."""
+        from transformers.cache_utils import StaticLayer
+
+        shared = distinct_prompts(self.model, prompt_ids, prompt_mask) if share_prompts else None
+        static = self.static
+        if shared is not None and static is not None and any(type(layer) is not StaticLayer for layer in static.layers):
+            shared = None
+        with autocast(self.precision, self.device):
+            if shared is not None:
+                return self._prefill_shared(prompt_ids[shared[0]], prompt_mask[shared[0]], shared[1], shared[2])
+            step = self.model(
                 input_ids=prompt_ids,
-                attention_mask=mask,
+                attention_mask=self.mask,
                 position_ids=position_ids(prompt_mask),
                 use_cache=True,
                 logits_to_keep=1,
                 **(
                     {}
                     if static is None
-                    else {"past_key_values": static, "cache_position": torch.arange(p, device=device)}
+                    else {"past_key_values": static, "cache_position": torch.arange(self.p, device=self.device)}
                 ),
             )
-            past, logits = step.past_key_values, step.logits[:, -1]
-    pos = position_ids(prompt_mask)[:, -1:]
-    logps = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device) if with_logprobs else None
-    uniforms = None if row_seeds is None else row_uniforms(row_seeds, max_new_tokens, device)
+        self.past = step.past_key_values
+        return step.logits[:, -1]
+
+    def _prefill_shared(self, first_ids: Tensor, first_mask: Tensor, inverse: Tensor, past: Any) -> Tensor:
+        """The prefill of each distinct prompt once (``first_ids`` [D, P]), its keys and values then copied to the
+        rows that have it (``inverse`` [N])."""
+        step = prompts_forward(self.model, first_ids, first_mask, past)
+        if self.static is None:
+            past.reorder_cache(inverse)
+            self.past = past
+        else:  # each row's prompt written into the static cache, as a prefill of all rows would have written it
+            for mine, theirs in zip(self.static.layers, past.layers, strict=True):
+                mine.update(theirs.keys[inverse], theirs.values[inverse])
+        return step.logits[inverse, -1]
+
+    def step(self, tok: Tensor, running: Tensor, t: int) -> Tensor:
+        """Run token t of each row (``tok`` [N]; ``running`` [N] the rows still attending): the logits [N, V] that
+        predict token t + 1."""
+        self.pos = self.pos + 1
+        if self.decoder is not None:
+            self.mask[:, self.p + t] = running.long()
+            with autocast(self.precision, self.device):
+                at = torch.tensor([self.p + t], device=self.device)
+                return self.decoder.step(tok.unsqueeze(-1), self.mask, self.pos, at, self.past)
+        self.mask = torch.cat([self.mask, running.long().unsqueeze(-1)], dim=-1)
+        with autocast(self.precision, self.device):
+            step = self.model(
+                input_ids=tok.unsqueeze(-1),
+                attention_mask=self.mask,
+                position_ids=self.pos,
+                past_key_values=self.past,
+                use_cache=True,
+            )
+        self.past = step.past_key_values
+        return step.logits[:, -1]
+
+
+def _decode(
+    forwards: _Forwards,
+    rows: _Completions,
+    sampler: _Sampler,
+    logits: Tensor,
+    max_new_tokens: int,
+    lockstep: Callable[[bool], bool] | None,
+) -> None:
+    """Sample token after token into ``rows`` until every row has ended (on every rank, with ``lockstep``) or
+    ``max_new_tokens`` were sampled; the last token is not run through the model."""
     for t in range(max_new_tokens):
-        policy_logits = logits
-        if t < min_new_tokens:
-            logits = logits.clone()
-            logits[:, eos_id] = float("-inf")
-        tok = _sample_next(
-            top_k_logits(logits, top_k),
-            temperature=temperature,
-            top_p=top_p,
-            generator=generator,
-            uniform=None if uniforms is None else uniforms[:, t],
-        )
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        out[:, t] = tok
-        if logps is not None:
-            z = policy_logits.float() / (max(temperature, MIN_TEMPERATURE) if temperature > 0 else 1.0)
-            lp = z.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1)
-            logps[:, t] = torch.where(done, torch.zeros_like(lp), lp)
-        hit = tok == eos_id if stops is None else torch.isin(tok, stops)
-        if stop_text is not None:
-            texts = [i for i in range(n) if not done[i] and not hit[i] and stop_text(out[i, : t + 1].tolist())]
-            hit[texts] = True
-        newly = (~done) & hit
-        lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
-        done = done | newly
-        finished = bool(done.all())
+        tok = rows.add(t, sampler.next_token(logits, t), logits, sampler)
+        finished = bool(rows.done.all())
         if lockstep is not None and t < max_new_tokens - 1:
             finished = not lockstep(not finished)
         if finished or t == max_new_tokens - 1:
-            break
-        pos = pos + 1
-        if decoder is not None:
-            mask[:, p + t] = (~done).long()
-            with autocast(precision, device):
-                logits = decoder.step(tok.unsqueeze(-1), mask, pos, torch.tensor([p + t], device=device), past)
-            continue
-        mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
-        with autocast(precision, device):
-            step = model(
-                input_ids=tok.unsqueeze(-1),
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=past,
-                use_cache=True,
-            )
-        past, logits = step.past_key_values, step.logits[:, -1]
-    width = int(lengths.max())
-    out = out[:, :width]
-    cmask = (torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(-1)).long()
-    truncated = ~done
-    rollout = Rollout(prompt_ids, prompt_mask, out, cmask, lengths, truncated)
-    if logps is not None:
-        return rollout, logps[:, :width]
-    return rollout
+            return
+        logits = forwards.step(tok, ~rows.done, t)
 
 
 @overload

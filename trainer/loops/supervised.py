@@ -43,7 +43,7 @@ from trainer.loops.steps import EngineLoop, validation_due
 from trainer.spec import metrics as M
 from trainer.spec.callbacks import Callback
 from trainer.spec.config import JobSpec, SupervisedHyperparameters
-from trainer.spec.data import load_supervised
+from trainer.spec.data import SupervisedItem, load_supervised
 
 LENGTH_GROUP_BATCHES = 16  # group_by_length sorts mega-batches of this many batches by length (HF's default: 50)
 
@@ -97,43 +97,56 @@ class SupervisedTrainer(EngineLoop):
         self.spec, self.out, self.cb = spec, output_dir, callback
         assert isinstance(spec.method.hyperparameters, SupervisedHyperparameters)
         self.hp: SupervisedHyperparameters = spec.method.hyperparameters
-        hp = self.hp
 
         # Everything that can be wrong with the input is checked before the model's weights are loaded.
         train_items = load_supervised(Path(spec.training_file))
         val_items = load_supervised(Path(spec.validation_file)) if spec.validation_file else []
         self.tokenizer = load_tokenizer(spec.model)
+        self.train_examples, self.val_examples = self._encode_examples(train_items, val_items)
+        self.total_steps = self.hp.total_steps(len(self.train_examples))
+
+        self.device = device or self.world.device() or default_device()
+        self.precision: Precision = resolve_precision(self.hp.precision, self.device)
+        seed_everything(spec.seed)
+        self.model = load_policy(
+            spec.model, spec.method.lora, device=self.device, precision=self.precision, seed=spec.seed
+        ).model
+        self.params = trainable_parameters(self.model)
+        self.engine = self._engine()
+        self.aggregate = AGGREGATIONS.get("token_mean")
+
+    def _encode_examples(
+        self, train_items: list[SupervisedItem], val_items: list[SupervisedItem]
+    ) -> tuple[list[EncodedExample], list[EncodedExample]]:
+        """The training and validation conversations (the first ``eval_samples`` of these) encoded, once the longest
+        of them is known to fit the model's context."""
+        spec, hp = self.spec, self.hp
         last_only = hp.assistant_turns == "last"
-        self.train_examples = encode_supervised(
+        train = encode_supervised(
             self.tokenizer, train_items, max_length=hp.max_length, last_turn_only=last_only, path=spec.training_file
         )
-        self.val_examples = encode_supervised(
+        val = encode_supervised(
             self.tokenizer,
             val_items,
             max_length=hp.max_length,
             last_turn_only=last_only,
             path=spec.validation_file or "",
         )
-        longest = max(len(e.ids) for e in self.train_examples + self.val_examples)
+        longest = max(len(e.ids) for e in train + val)
         check_context(
             spec.model,
             needed=longest,
             what=f"the longest conversation ({longest} tokens)",
             param=f"method.{spec.method.type}.hyperparameters.max_length",
         )
-        if hp.eval_samples:
-            self.val_examples = self.val_examples[: hp.eval_samples]
-        self.total_steps = hp.total_steps(len(self.train_examples))
+        return train, val[: hp.eval_samples] if hp.eval_samples else val
 
-        self.device = device or self.world.device() or default_device()
-        self.precision: Precision = resolve_precision(hp.precision, self.device)
-        seed_everything(spec.seed)
-        self.model = load_policy(
-            spec.model, spec.method.lora, device=self.device, precision=self.precision, seed=spec.seed
-        ).model
-        self.params = trainable_parameters(self.model)
+    def _engine(self) -> Engine:
+        """The optimiser, schedule and data order over the training conversations: batches of similar length with
+        ``group_by_length`` (unpacked rows pad little), else shuffled."""
+        spec, hp = self.spec, self.hp
         lengths = [len(e.ids) for e in self.train_examples]
-        self.engine = Engine(
+        return Engine(
             self.model,
             groups=[ParamGroup(self.params, hp.effective_learning_rate)],
             hp=hp,
@@ -148,7 +161,6 @@ class SupervisedTrainer(EngineLoop):
             seed=spec.seed,  # nothing here samples; the generator makes a restore set every RNG, as the RL loop's
             dropout=spec.method.lora.dropout > 0,
         )
-        self.aggregate = AGGREGATIONS.get("token_mean")
 
     # -- state -------------------------------------------------------------------------------------------------
 

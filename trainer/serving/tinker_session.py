@@ -553,7 +553,10 @@ class TrainingSession:
     ) -> list[SampleResult]:
         """Several :meth:`sample` requests in one generation: their settings must agree but for ``num_samples`` and
         ``prompt_logprobs`` (:func:`batch_key`), and a seeded request samples alone (its seed fixes its draws)."""
-        checked = [(self._check_sample(prompt, params), params) for prompt, params in requests]
+        checked = [
+            (_checked_prompt(prompt, params, vocab=self.vocab, context=self.context), params)
+            for prompt, params in requests
+        ]
         params = checked[0][1]
         if len(checked) > 1 and any(batch_key(p) is None or batch_key(p) != batch_key(params) for _, p in checked):
             raise ValueError("sample_many: the requests' settings differ, or one of them is seeded")
@@ -572,7 +575,10 @@ class TrainingSession:
         rows = [ids for ids, p in checked for _ in range(p.num_samples)]
         with self._weights(weights):
             out = self.rollout.generate(rows, sampling, generator=generator)
-            prompt_lps = [self._prompt_logprobs(ids) if p.prompt_logprobs else None for ids, p in checked]
+            prompt_lps = [
+                _prompt_logprobs(self.model, ids, self.device, self.precision) if p.prompt_logprobs else None
+                for ids, p in checked
+            ]
         assert out.logprobs is not None
         lengths, truncated = out.rollout.lengths.tolist(), out.rollout.truncated.tolist()
         ids, logprobs = out.rollout.completion_ids.tolist(), out.logprobs.tolist()
@@ -588,47 +594,61 @@ class TrainingSession:
 
     def check_sample(self, prompt: Sequence[int], params: SampleParams) -> None:
         """Raise the :class:`SessionInputError` :meth:`sample` would raise for this request, sampling nothing."""
-        self._check_sample(prompt, params)
+        _checked_prompt(prompt, params, vocab=self.vocab, context=self.context)
         StopRule.of(params.stop, self.eos_ids)
 
-    def _check_sample(self, prompt: Sequence[int], params: SampleParams) -> list[int]:
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise SessionInputError("the prompt is empty")
-        if min(ids) < 0 or max(ids) >= self.vocab:
-            raise SessionInputError(f"the prompt holds a token id outside the vocabulary (0 to {self.vocab - 1})")
-        if params.max_tokens < 1 or params.num_samples < 1:
-            raise SessionInputError("max_tokens and num_samples must be at least 1")
-        if len(ids) + params.max_tokens > self.context:
-            raise SessionInputError(
-                f"the prompt ({len(ids)} tokens) and max_tokens ({params.max_tokens}) exceed the model's context "
-                f"of {self.context} tokens"
-            )
-        if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= -1):
-            raise SessionInputError("need temperature ≥ 0, 0 < top_p ≤ 1 and top_k ≥ −1 (−1 or 0: off)")
-        return ids
 
-    @torch.no_grad()
-    def _sequence_logprobs(self, prompt: list[int], rows: list[list[int]], temperature: float) -> list[list[float]]:
-        """log π(token | prefix) / T-scaled of every sampled token: one teacher-forced forward, as the training
-        forward computes it."""
-        n, width = len(rows), max(len(r) for r in rows)
-        lengths = torch.tensor([len(r) for r in rows], device=self.device)
-        completion = torch.zeros((n, width), dtype=torch.long, device=self.device)
-        for i, r in enumerate(rows):
-            completion[i, : len(r)] = torch.tensor(r, device=self.device)
-        cmask = (torch.arange(width, device=self.device) < lengths.unsqueeze(-1)).long()
-        prompt_ids = torch.tensor([prompt] * n, device=self.device)
-        batch = Rollout(prompt_ids, torch.ones_like(prompt_ids), completion, cmask, lengths, lengths == width)
-        logp, _ = completion_logprobs(self.model, batch, temperature=temperature, precision=self.precision)
-        return [logp[i, : len(r)].tolist() for i, r in enumerate(rows)]
+def _checked_prompt(prompt: Sequence[int], params: SampleParams, *, vocab: int, context: int) -> list[int]:
+    """The prompt's token ids, once the prompt and the sampling settings are known to be valid for a model of
+    ``vocab`` tokens and a ``context`` of that many (a :class:`SessionInputError` says what is not)."""
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise SessionInputError("the prompt is empty")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise SessionInputError(f"the prompt holds a token id outside the vocabulary (0 to {vocab - 1})")
+    if params.max_tokens < 1 or params.num_samples < 1:
+        raise SessionInputError("max_tokens and num_samples must be at least 1")
+    if len(ids) + params.max_tokens > context:
+        raise SessionInputError(
+            f"the prompt ({len(ids)} tokens) and max_tokens ({params.max_tokens}) exceed the model's context "
+            f"of {context} tokens"
+        )
+    if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= -1):
+        raise SessionInputError("need temperature ≥ 0, 0 < top_p ≤ 1 and top_k ≥ −1 (−1 or 0: off)")
+    return ids
 
-    def _prompt_logprobs(self, prompt: list[int]) -> list[float | None]:
-        """log p(prompt[i] | prompt[:i]) at T = 1 for i ≥ 1; None for the first token, which has no context."""
-        if len(prompt) == 1:
-            return [None]
-        rest: list[float | None] = list(self._sequence_logprobs(prompt[:1], [prompt[1:]], 1.0)[0])
-        return [None, *rest]
+
+def _prompt_logprobs(
+    model: torch.nn.Module, prompt: list[int], device: torch.device, precision: Precision
+) -> list[float | None]:
+    """log p(prompt[i] | prompt[:i]) at T = 1 for i ≥ 1; None for the first token, which has no context."""
+    if len(prompt) == 1:
+        return [None]
+    rest: list[float | None] = list(_sequence_logprobs(model, prompt[:1], [prompt[1:]], 1.0, device, precision)[0])
+    return [None, *rest]
+
+
+@torch.no_grad()
+def _sequence_logprobs(
+    model: torch.nn.Module,
+    prompt: list[int],
+    rows: list[list[int]],
+    temperature: float,
+    device: torch.device,
+    precision: Precision,
+) -> list[list[float]]:
+    """log π(token | prefix) / T-scaled of every token of ``rows`` after ``prompt``: one teacher-forced forward, as
+    the training forward computes it."""
+    n, width = len(rows), max(len(r) for r in rows)
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    completion = torch.zeros((n, width), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        completion[i, : len(r)] = torch.tensor(r, device=device)
+    cmask = (torch.arange(width, device=device) < lengths.unsqueeze(-1)).long()
+    prompt_ids = torch.tensor([prompt] * n, device=device)
+    batch = Rollout(prompt_ids, torch.ones_like(prompt_ids), completion, cmask, lengths, lengths == width)
+    logp, _ = completion_logprobs(model, batch, temperature=temperature, precision=precision)
+    return [logp[i, : len(r)].tolist() for i, r in enumerate(rows)]
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------------
