@@ -10,13 +10,15 @@ take a session and never commit: the caller commits at its unit-of-work boundary
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, case, delete, exists, func, or_, select, update
+from sqlalchemy import Connection, Row, and_, case, delete, exists, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
+from api import ids
 from api.notify import DONE_CHANNEL, QUEUED_CHANNEL, notify
 from api.orm import (
     Sampler,
@@ -91,19 +93,6 @@ def list_client_sessions(session: Session, *, tenant_id: str, limit: int, offset
     )
 
 
-def count_children(session: Session, *, client_session_id: str, kind: str) -> int:
-    """How many training sessions (``kind`` training) or samplers the client session has made."""
-    if kind == "sampler":
-        stmt = select(func.count()).select_from(Sampler).where(Sampler.client_session_id == client_session_id)
-    else:
-        stmt = (
-            select(func.count())
-            .select_from(TrainingSession)
-            .where(TrainingSession.client_session_id == client_session_id, TrainingSession.kind == kind)
-        )
-    return int(session.scalar(stmt) or 0)
-
-
 # -- training sessions ----------------------------------------------------------------------------------------------
 
 
@@ -123,27 +112,45 @@ def add_training_session(session: Session, row: TrainingSession) -> TrainingSess
     return row
 
 
-def list_training_sessions(session: Session, *, tenant_id: str, limit: int, offset: int) -> list[TrainingSession]:
-    return list(
-        session.scalars(
-            select(TrainingSession)
-            .where(TrainingSession.tenant_id == tenant_id, TrainingSession.kind == "training")
-            .order_by(TrainingSession.created_at.desc(), TrainingSession.id)
-            .limit(limit)
-            .offset(offset)
-        ).all()
-    )
+def training_runs_page(
+    session: Session, *, tenant_id: str, limit: int, offset: int
+) -> tuple[list[TrainingSession], int]:
+    """A page of the tenant's training runs, newest first, by offset (as the SDK pages them); and how many there are."""
+    where = (TrainingSession.tenant_id == tenant_id, TrainingSession.kind == "training")
+    rows = session.scalars(
+        select(TrainingSession)
+        .where(*where)
+        .order_by(TrainingSession.created_at.desc(), TrainingSession.id)
+        .limit(limit)
+        .offset(offset)
+    ).all()
+    total = session.scalar(select(func.count()).select_from(TrainingSession).where(*where))
+    return list(rows), int(total or 0)
 
 
-def count_training_sessions(session: Session, *, tenant_id: str) -> int:
-    return int(
-        session.scalar(
-            select(func.count())
-            .select_from(TrainingSession)
-            .where(TrainingSession.tenant_id == tenant_id, TrainingSession.kind == "training")
+def training_sessions_page(
+    session: Session, *, tenant_id: str, after: str | None, limit: int
+) -> tuple[list[TrainingSession], bool]:
+    """Training sessions newest first (created_at, then id), those after ``after``'s position (none if unknown, or
+    another tenant's); (rows, has_more)."""
+    stmt = select(TrainingSession).where(TrainingSession.tenant_id == tenant_id, TrainingSession.kind == "training")
+    if after is not None:
+        anchor = session.execute(
+            select(TrainingSession.created_at, TrainingSession.id).where(
+                TrainingSession.id == after, TrainingSession.tenant_id == tenant_id
+            )
+        ).first()
+        if anchor is None:
+            return [], False
+        stmt = stmt.where(
+            or_(
+                TrainingSession.created_at < anchor[0],
+                and_(TrainingSession.created_at == anchor[0], TrainingSession.id > anchor[1]),
+            )
         )
-        or 0
-    )
+    order = (TrainingSession.created_at.desc(), TrainingSession.id)
+    rows = list(session.scalars(stmt.order_by(*order).limit(limit + 1)).all())
+    return rows[:limit], len(rows) > limit
 
 
 # -- samplers -------------------------------------------------------------------------------------------------------
@@ -176,11 +183,72 @@ def checkpoint(session: Session, *, tenant_id: str, session_id: str, kind: str, 
     )
 
 
-def checkpoints(session: Session, *, tenant_id: str, session_id: str | None = None) -> list[SessionCheckpoint]:
-    stmt = select(SessionCheckpoint).where(SessionCheckpoint.tenant_id == tenant_id)
-    if session_id is not None:
-        stmt = stmt.where(SessionCheckpoint.session_id == session_id)
-    return list(session.scalars(stmt.order_by(SessionCheckpoint.created_at, SessionCheckpoint.id)).all())
+def checkpoints_by_run(
+    session: Session, *, tenant_id: str, session_ids: Sequence[str]
+) -> dict[str, list[SessionCheckpoint]]:
+    """The checkpoints of each of these training sessions, oldest first: one query for a whole page of sessions."""
+    rows = session.scalars(
+        select(SessionCheckpoint)
+        .where(SessionCheckpoint.tenant_id == tenant_id, SessionCheckpoint.session_id.in_(session_ids))
+        .order_by(SessionCheckpoint.created_at, SessionCheckpoint.id)
+    ).all()
+    out: dict[str, list[SessionCheckpoint]] = {id: [] for id in session_ids}
+    for row in rows:
+        out[row.session_id].append(row)
+    return out
+
+
+def latest_checkpoints(
+    session: Session, *, tenant_id: str, session_ids: Sequence[str], kinds: Sequence[str]
+) -> dict[str, dict[str, SessionCheckpoint]]:
+    """The newest checkpoint of each kind of each of these training sessions (session id -> kind -> row), in one
+    query however many sessions and checkpoints there are."""
+    newest_first = func.row_number().over(
+        partition_by=(SessionCheckpoint.session_id, SessionCheckpoint.kind),
+        order_by=(SessionCheckpoint.created_at.desc(), SessionCheckpoint.id.desc()),
+    )
+    ranked = (
+        select(SessionCheckpoint, newest_first.label("rank"))
+        .where(
+            SessionCheckpoint.tenant_id == tenant_id,
+            SessionCheckpoint.session_id.in_(session_ids),
+            SessionCheckpoint.kind.in_(kinds),
+        )
+        .subquery()
+    )
+    newest = aliased(SessionCheckpoint, ranked)
+    out: dict[str, dict[str, SessionCheckpoint]] = {id: {} for id in session_ids}
+    for row in session.scalars(select(newest).where(ranked.c.rank == 1)).all():
+        out[row.session_id][row.kind] = row
+    return out
+
+
+def checkpoints_page(session: Session, *, tenant_id: str, limit: int, offset: int) -> list[SessionCheckpoint]:
+    """A page of all the tenant's checkpoints, newest first, by offset (as the SDK pages them)."""
+    return list(
+        session.scalars(
+            select(SessionCheckpoint)
+            .where(SessionCheckpoint.tenant_id == tenant_id)
+            .order_by(SessionCheckpoint.created_at.desc(), SessionCheckpoint.id.desc())
+            .limit(limit)
+            .offset(offset)
+        ).all()
+    )
+
+
+def state_in_use(session: Session, *, storage_key: str) -> bool:
+    """Whether a training session still starts from the state saved at ``storage_key`` (created from it)."""
+    found = session.scalar(select(TrainingSession.id).where(TrainingSession.saved_state_key == storage_key).limit(1))
+    return found is not None
+
+
+def export_by_token(conn: Connection, *, token: str) -> Row[str, int | None] | None:
+    """(storage key, expiry) of the exported weights that ``token`` downloads (the hot read of a download)."""
+    return conn.execute(
+        select(SessionCheckpoint.storage_key, SessionCheckpoint.expires_at).where(
+            SessionCheckpoint.download_token == token, SessionCheckpoint.kind == "external_weights"
+        )
+    ).first()
 
 
 def delete_checkpoint(session: Session, *, tenant_id: str, session_id: str, kind: str, name: str) -> str | None:
@@ -215,7 +283,8 @@ def record_checkpoint(
     optimizer_steps: int,
     ttl_seconds: int | None,
 ) -> None:
-    """Write (or replace: the same path saved again) a checkpoint row."""
+    """Write (or replace: the same path saved again) a checkpoint row. Exported weights get their download token
+    here, with the export: the GET that lists their URLs only reads it."""
     session.execute(
         delete(SessionCheckpoint).where(
             SessionCheckpoint.session_id == session_id, SessionCheckpoint.kind == kind, SessionCheckpoint.name == name
@@ -231,6 +300,7 @@ def record_checkpoint(
             size_bytes=size_bytes,
             optimizer_steps=optimizer_steps,
             expires_at=None if ttl_seconds is None else now() + ttl_seconds,
+            download_token=ids.download_token() if kind == "external_weights" else None,
         )
     )
 
@@ -263,18 +333,13 @@ def enqueue(session: Session, row: SessionRequest) -> Enqueued:
     return Enqueued(row.id, True)
 
 
-def request(session: Session, *, tenant_id: str, id: str) -> SessionRequest | None:
-    return session.scalar(select(SessionRequest).where(SessionRequest.id == id, SessionRequest.tenant_id == tenant_id))
-
-
-def request_state(session: Session, *, tenant_id: str, id: str) -> tuple[str, str] | None:
-    """(status, kind) of a request: the cheap read of a poll."""
-    row = session.execute(
-        select(SessionRequest.status, SessionRequest.kind).where(
+def request_outcome(conn: Connection, *, tenant_id: str, id: str) -> Row[str, bytes | None, str | None, Any] | None:
+    """(status, result, result_format, error) of the tenant's request: the cheap read of a poll."""
+    return conn.execute(
+        select(SessionRequest.status, SessionRequest.result, SessionRequest.result_format, SessionRequest.error).where(
             SessionRequest.id == id, SessionRequest.tenant_id == tenant_id
         )
     ).first()
-    return None if row is None else (row[0], row[1])
 
 
 def recent_requests(session: Session, *, session_id: str, limit: int) -> list[SessionRequest]:
@@ -529,27 +594,6 @@ def checkpoint_steps(session: Session, *, storage_key: str) -> int:
 
 def tenant_of(session: Session, *, id: str) -> str | None:
     return session.scalar(select(TrainingSession.tenant_id).where(TrainingSession.id == id))
-
-
-def training_sessions_page(session: Session, *, tenant_id: str, after: str | None, limit: int) -> list[TrainingSession]:
-    """Training sessions newest first (created_at, then id), those after ``after``'s position (none if unknown)."""
-    stmt = select(TrainingSession).where(TrainingSession.tenant_id == tenant_id, TrainingSession.kind == "training")
-    if after is not None:
-        anchor = session.execute(
-            select(TrainingSession.created_at, TrainingSession.id).where(
-                TrainingSession.id == after, TrainingSession.tenant_id == tenant_id
-            )
-        ).first()
-        if anchor is None:
-            return []
-        stmt = stmt.where(
-            or_(
-                TrainingSession.created_at < anchor[0],
-                and_(TrainingSession.created_at == anchor[0], TrainingSession.id > anchor[1]),
-            )
-        )
-    order = (TrainingSession.created_at.desc(), TrainingSession.id)
-    return list(session.scalars(stmt.order_by(*order).limit(limit)).all())
 
 
 def set_steps(session: Session, *, id: str, optimizer_steps: int) -> None:

@@ -16,176 +16,58 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from api import ids
 from api.auth import Caller
-from api.errors import ApiError, InvalidRequest, NotFound
-from api.orm import Sampler, SessionCheckpoint, SessionRequest, TrainingSession
+from api.errors import Conflict, InvalidRequest, NotFound
+from api.orm import Sampler, SessionCheckpoint, SessionRequest, TinkerClientSession, TrainingSession
 from api.repositories import tinker as repo
+from api.schemas_tinker import (
+    CHECKPOINT_TYPES,
+    TINKER_SCHEME,
+    CheckpointList,
+    ClientSessionInfo,
+    CreateModelBody,
+    CreateSamplingSessionBody,
+    CreateSessionBody,
+    Empty,
+    ExternalWeightsUrls,
+    FinishBody,
+    LoadWeightsBody,
+    ModelFuture,
+    ModelInfo,
+    OffsetCursor,
+    OptimStepBody,
+    RequestFailed,
+    SampleBody,
+    SampleFuture,
+    SamplerInfo,
+    SamplingSessionCreated,
+    SaveWeightsBody,
+    ServerCapabilities,
+    SessionCreated,
+    SessionIds,
+    SupportedModel,
+    TinkerCheckpoint,
+    TrainingRun,
+    TrainingRunList,
+    TtlBody,
+    WeightsInfo,
+    iso_time,
+    tinker_path,
+)
 from api.settings import Settings
+from api.storage import ArtifactStore
 from api.tinker_wire import decode_forward_backward, decompress
 
-CHECKPOINT_KINDS = ("weights", "sampler_weights", "external_weights")
+CHECKPOINT_KINDS = tuple(CHECKPOINT_TYPES)
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
-MAX_LORA_RANK = 256
-TINKER_SCHEME = "tinker://"
-
-# -- request bodies (the SDK adds fields over versions, and a literal `type`: unknown keys are ignored, not refused,
-# so that a newer SDK keeps working) ----------------------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class CreateSessionBody(_Body):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
-
-
-class SessionRefBody(_Body):
-    session_id: str
-
-
-class FinishReason(_Body):
-    type: Literal["success", "errored", "interrupted"] = "success"
-
-
-class FinishBody(_Body):
-    reason: FinishReason = Field(default_factory=FinishReason)
-    detail: str | None = None
-
-
-class ModelRefBody(_Body):
-    model_id: str
-
-
-class WeightsInfoBody(_Body):
-    tinker_path: str
-
-
-class FutureBody(_Body):
-    request_id: str
-    allow_metadata_only: bool = False
-
-
-class TtlBody(_Body):
-    ttl_seconds: int | None = Field(None, gt=0)
-
-
-class LoraConfigBody(_Body):
-    rank: int = Field(32, ge=1, le=MAX_LORA_RANK)
-    seed: int | None = None
-    train_unembed: bool = True
-    train_mlp: bool = True
-    train_attn: bool = True
-
-
-class OptimizerConfigBody(_Body):
-    type: str = "adamw"
-
-
-class CreateModelBody(_Body):
-    session_id: str
-    model_seq_id: int = Field(ge=0)
-    base_model: str
-    lora_config: LoraConfigBody = Field(default_factory=LoraConfigBody)
-    optimizer_config: OptimizerConfigBody | None = None
-    user_metadata: dict[str, Any] | None = None
-
-
-class AdamParamsBody(_Body):
-    learning_rate: float = Field(1e-4, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-12, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip_norm: float = Field(0.0, ge=0)
-
-
-class OptimStepBody(_Body):
-    model_id: str
-    seq_id: int
-    adam_params: AdamParamsBody | None = None
-    optimizer_params: dict[str, Any] | None = None
-
-
-class SaveWeightsBody(_Body):
-    model_id: str
-    seq_id: int
-    path: str | None = None
-    ttl_seconds: int | None = Field(None, gt=0)
-    sampling_session_seq_id: int | None = Field(None, ge=0)
-    kind: str | None = None
-
-
-class LoadWeightsBody(_Body):
-    path: str
-    optimizer: bool = False
-    model_id: str | None = None
-    seq_id: int | None = None
-    session_id: str | None = None
-    model_seq_id: int | None = Field(None, ge=0)
-    base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
-
-
-class CreateSamplingSessionBody(_Body):
-    session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
-    base_model: str | None = None
-    model_path: str | None = None
-
-
-class SamplingParamsBody(_Body):
-    max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_k: int = -1
-    top_p: float = Field(1.0, gt=0, le=1)
-
-
-class ChunkBody(_Body):
-    type: str = "encoded_text"
-    tokens: list[int] = Field(default_factory=list)
-
-
-class PromptBody(_Body):
-    chunks: list[ChunkBody]
-
-
-class SampleBody(_Body):
-    sampling_session_id: str
-    seq_id: int
-    num_samples: int = Field(1, ge=1, le=256)
-    prompt: PromptBody
-    sampling_params: SamplingParamsBody
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
-    prompt_alt_tokens_k: int = 0
-    target_prompt_logprobs: Any = None
-
-
-def parse(model: type[_Body], raw: bytes) -> Any:
-    """A request body as ``model``, or a 400 naming the field."""
-    try:
-        data = json.loads(raw or b"{}")
-    except ValueError:
-        raise InvalidRequest("the request body is not JSON") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        raise InvalidRequest(f"{where}: {first['msg']}", param=where) from None
-
+PROTOBUF = "application/x-protobuf"
+EXPORT_URLS_VALID_S = 7 * 86_400  # how long the download URLs of an export without an expiry are said to hold
 
 # -- paths ----------------------------------------------------------------------------------------------------------
 
@@ -197,7 +79,7 @@ class TinkerPath:
     name: str
 
     def __str__(self) -> str:
-        return f"{TINKER_SCHEME}{self.run_id}/{self.kind}/{self.name}"
+        return tinker_path(self.run_id, self.kind, self.name)
 
 
 def parse_path(path: str, *, param: str = "path") -> TinkerPath:
@@ -223,14 +105,58 @@ def storage_prefix(tenant_id: str, run_id: str) -> str:
     return f"tinker/{tenant_id}/{run_id.replace(':', '-')}"
 
 
-# -- sessions and models --------------------------------------------------------------------------------------------
+# -- client sessions ------------------------------------------------------------------------------------------------
 
 
-def _client_session(session: Session, tenant: Caller, id: str, *, param: str = "session_id") -> Any:
+def _client_session(session: Session, tenant: Caller, id: str, *, param: str = "session_id") -> TinkerClientSession:
     row = repo.client_session(session, tenant_id=tenant.id, id=id)
     if row is None:
         raise NotFound("session", id, param=param)
     return row
+
+
+def create_session(session: Session, *, tenant: Caller, body: CreateSessionBody) -> SessionCreated:
+    row = repo.create_client_session(
+        session,
+        id=ids.tinker_session_id(),
+        tenant_id=tenant.id,
+        tags=body.tags,
+        user_metadata=body.user_metadata,
+        sdk=body.sdk_version,
+    )
+    return SessionCreated(session_id=row.id)
+
+
+def heartbeat(session: Session, *, tenant: Caller, session_id: str) -> bool:
+    """Keep the client session alive; whether it still is (False: it has finished, which ends the SDK's loop)."""
+    row = repo.heartbeat(session, tenant_id=tenant.id, id=session_id)
+    if row is None:
+        raise NotFound("session", session_id, param="session_id")
+    return row.finished_at is None
+
+
+def finish_session(session: Session, *, tenant: Caller, session_id: str, body: FinishBody) -> Empty:
+    if not repo.finish_client_session(session, tenant_id=tenant.id, id=session_id, reason=body.reason.type):
+        raise NotFound("session", session_id, param="session_id")
+    return Empty()
+
+
+def server_capabilities(settings: Settings) -> ServerCapabilities:
+    return ServerCapabilities(supported_models=[SupportedModel(model_name=m) for m in settings.base_models])
+
+
+def list_sessions(session: Session, *, tenant: Caller, limit: int, offset: int) -> SessionIds:
+    ids_ = repo.list_client_sessions(session, tenant_id=tenant.id, limit=max(1, min(limit, 100)), offset=max(0, offset))
+    return SessionIds(sessions=ids_)
+
+
+def client_session_info(session: Session, *, tenant: Caller, session_id: str) -> ClientSessionInfo:
+    row = _client_session(session, tenant, session_id)
+    runs, samplers = repo.client_session_children(session, id=row.id)
+    return ClientSessionInfo(training_run_ids=runs, sampler_ids=samplers, user_metadata=row.user_metadata)
+
+
+# -- training runs --------------------------------------------------------------------------------------------------
 
 
 def training_run(session: Session, tenant: Caller, model_id: str, *, param: str = "model_id") -> TrainingSession:
@@ -267,7 +193,7 @@ def _done_request(
     return repo.enqueue(session, row).id
 
 
-def create_model(session: Session, *, settings: Settings, tenant: Caller, body: CreateModelBody) -> dict[str, Any]:
+def create_model(session: Session, *, settings: Settings, tenant: Caller, body: CreateModelBody) -> ModelFuture:
     _client_session(session, tenant, body.session_id)
     _check_base_model(settings, body.base_model)
     if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
@@ -297,7 +223,7 @@ def _new_training_run(
     request_kind: str,
     result: dict[str, Any],
     **row: Any,
-) -> dict[str, Any]:
+) -> ModelFuture:
     """A training run ``<session>:train:<seq>`` of a client session (``row``: its base model, LoRA and any saved state
     it starts from), and the request that made it, answered at once with ``result`` and the model id."""
     model_id = f"{client_session_id}:train:{model_seq_id}"
@@ -313,37 +239,19 @@ def _new_training_run(
         dedupe_key=f"create_model:{model_id}",
         result=result | {"model_id": model_id},
     )
-    return {"request_id": request_id, "model_id": model_id}
+    return ModelFuture(request_id=request_id, model_id=model_id)
 
 
-def get_info(session: Session, *, tenant: Caller, model_id: str) -> dict[str, Any]:
-    row = training_run(session, tenant, model_id)
-    return {
-        "type": "get_info",
-        "model_id": row.id,
-        "model_data": {"arch": "lora", "model_name": row.base_model, "tokenizer_id": row.base_model},
-        "is_lora": True,
-        "lora_rank": row.lora.get("rank"),
-        "model_name": row.base_model,
-        "optimizer_config": {"type": "adamw"},
-    }
+def get_info(session: Session, *, tenant: Caller, model_id: str) -> ModelInfo:
+    return ModelInfo.from_row(training_run(session, tenant, model_id))
 
 
-def weights_info(session: Session, *, tenant: Caller, tinker_path: str) -> dict[str, Any]:
-    path = parse_path(tinker_path, param="tinker_path")
-    row = training_run(session, tenant, path.run_id, param="tinker_path")
-    if repo.checkpoint(session, tenant_id=tenant.id, session_id=row.id, kind=path.kind, name=path.name) is None:
-        raise NotFound("checkpoint", tinker_path, param="tinker_path")
-    lora = row.lora
-    return {
-        "base_model": row.base_model,
-        "is_lora": True,
-        "lora_rank": lora.get("rank"),
-        "train_unembed": lora.get("train_unembed", True),
-        "train_mlp": lora.get("train_mlp", True),
-        "train_attn": lora.get("train_attn", True),
-        "optimizer_config": {"type": "adamw"},
-    }
+def weights_info(session: Session, *, tenant: Caller, path: str) -> WeightsInfo:
+    parsed = parse_path(path, param="tinker_path")
+    row = training_run(session, tenant, parsed.run_id, param="tinker_path")
+    if repo.checkpoint(session, tenant_id=tenant.id, session_id=row.id, kind=parsed.kind, name=parsed.name) is None:
+        raise NotFound("checkpoint", path, param="tinker_path")
+    return WeightsInfo.from_row(row)
 
 
 # -- queued requests ------------------------------------------------------------------------------------------------
@@ -374,24 +282,15 @@ def _enqueue(
     return repo.enqueue(session, row).id
 
 
-def forward_backward(session: Session, *, tenant: Caller, body: bytes, content_encoding: str | None) -> dict[str, Any]:
+def forward_backward(session: Session, *, tenant: Caller, body: bytes, content_encoding: str | None) -> ModelFuture:
     plain = decompress(body, content_encoding=content_encoding)
     request = decode_forward_backward(plain, content_encoding=None)
     run = training_run(session, tenant, request.model_id)
     kind = "forward" if request.forward_only else "forward_backward"
-    request_id = _enqueue(
-        session,
-        tenant=tenant,
-        serving_id=run.id,
-        kind=kind,
-        seq_id=request.seq_id,
-        dedupe_key=f"train:{run.id}:{request.seq_id}",
-        payload=plain,
-    )
-    return {"request_id": request_id, "model_id": run.id}
+    return _train_request(session, tenant=tenant, run=run, kind=kind, seq_id=request.seq_id, payload=plain)
 
 
-def optim_step(session: Session, *, tenant: Caller, body: OptimStepBody) -> dict[str, Any]:
+def optim_step(session: Session, *, tenant: Caller, body: OptimStepBody) -> ModelFuture:
     run = training_run(session, tenant, body.model_id)
     if body.adam_params is None:
         kind = (body.optimizer_params or {}).get("type")
@@ -402,7 +301,7 @@ def optim_step(session: Session, *, tenant: Caller, body: OptimStepBody) -> dict
 
 def _train_request(
     session: Session, *, tenant: Caller, run: TrainingSession, kind: str, seq_id: int, payload: bytes
-) -> dict[str, Any]:
+) -> ModelFuture:
     request_id = _enqueue(
         session,
         tenant=tenant,
@@ -412,12 +311,12 @@ def _train_request(
         dedupe_key=f"train:{run.id}:{seq_id}",
         payload=payload,
     )
-    return {"request_id": request_id, "model_id": run.id}
+    return ModelFuture(request_id=request_id, model_id=run.id)
 
 
 def save_weights(
     session: Session, *, tenant: Caller, body: SaveWeightsBody, kind: Literal["weights", "external_weights"]
-) -> dict[str, Any]:
+) -> ModelFuture:
     run = training_run(session, tenant, body.model_id)
     name = check_name(body.path)
     payload = json.dumps({"name": name, "ttl_seconds": body.ttl_seconds}).encode()
@@ -425,7 +324,7 @@ def save_weights(
     return _train_request(session, tenant=tenant, run=run, kind=request_kind, seq_id=body.seq_id, payload=payload)
 
 
-def save_weights_for_sampler(session: Session, *, tenant: Caller, body: SaveWeightsBody) -> dict[str, Any]:
+def save_weights_for_sampler(session: Session, *, tenant: Caller, body: SaveWeightsBody) -> ModelFuture:
     """Named (``path``): a ``sampler_weights`` checkpoint. Without a name (``sampling_session_seq_id``): a sampler of
     these weights, whose id the result carries (``save_weights_and_get_sampling_client``)."""
     run = training_run(session, tenant, body.model_id)
@@ -453,7 +352,7 @@ def _checkpoint(session: Session, tenant: Caller, path: TinkerPath, *, param: st
     return row
 
 
-def load_weights(session: Session, *, settings: Settings, tenant: Caller, body: LoadWeightsBody) -> dict[str, Any]:
+def load_weights(session: Session, *, settings: Settings, tenant: Caller, body: LoadWeightsBody) -> ModelFuture:
     """Into a training session (``load_state``, in its order), or as a new one (``create_training_client_from_state``:
     no ``model_id``; the new session starts from the saved state)."""
     path = parse_path(body.path)
@@ -481,7 +380,7 @@ def _create_from_state(
     body: LoadWeightsBody,
     ckpt: SessionCheckpoint,
     path: TinkerPath,
-) -> dict[str, Any]:
+) -> ModelFuture:
     assert body.session_id is not None and body.model_seq_id is not None
     _client_session(session, tenant, body.session_id)
     source = training_run(session, tenant, path.run_id, param="path")
@@ -508,7 +407,7 @@ def _create_from_state(
 
 def create_sampling_session(
     session: Session, *, settings: Settings, tenant: Caller, body: CreateSamplingSessionBody
-) -> dict[str, Any]:
+) -> SamplingSessionCreated:
     """A sampler of saved sampler weights (served by their training session's worker) or of a base model (served by a
     session of its own)."""
     _client_session(session, tenant, body.session_id)
@@ -551,17 +450,17 @@ def create_sampling_session(
     else:
         raise InvalidRequest("model_path: name the weights to sample, or a base_model", param="model_path")
     repo.add_sampler(session, row)
-    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+    return SamplingSessionCreated(sampling_session_id=sampler_id)
 
 
-def get_sampler(session: Session, *, tenant: Caller, sampler_id: str) -> dict[str, Any]:
+def get_sampler(session: Session, *, tenant: Caller, sampler_id: str) -> SamplerInfo:
     row = repo.sampler(session, tenant_id=tenant.id, id=sampler_id)
     if row is None:
         raise NotFound("sampler", sampler_id, param="sampler_id")
-    return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
+    return SamplerInfo(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path)
 
 
-def sample(session: Session, *, tenant: Caller, body: SampleBody) -> dict[str, Any]:
+def sample(session: Session, *, tenant: Caller, body: SampleBody) -> SampleFuture:
     row = repo.sampler(session, tenant_id=tenant.id, id=body.sampling_session_id)
     if row is None:
         raise NotFound("sampler", body.sampling_session_id, param="sampling_session_id")
@@ -592,22 +491,142 @@ def sample(session: Session, *, tenant: Caller, body: SampleBody) -> dict[str, A
         payload=json.dumps(payload).encode(),
         sampler_id=row.id,
     )
-    return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
+    return SampleFuture(
+        request_id=request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(body.num_samples)]
+    )
 
 
 # -- futures --------------------------------------------------------------------------------------------------------
 
 
-class FutureGone(ApiError):
-    status = 404
+@dataclass(frozen=True)
+class Outcome:
+    """A finished request's answer to its polls: the error of a failed one, or the result's bytes as the worker
+    wrote them (JSON or protobuf), sent as they are."""
+
+    failed: RequestFailed | None
+    body: bytes
+    media_type: str
 
 
-def future(session: Session, *, tenant: Caller, request_id: str) -> SessionRequest | None:
-    """The request once finished (None while it waits or runs); a 404 for another tenant's or an unknown id."""
-    row = repo.request(session, tenant_id=tenant.id, id=request_id)
+def outcome(conn: Connection, *, tenant: Caller, request_id: str) -> Outcome | None:
+    """The request's outcome once it has one (None while it waits or runs); a 404 for another tenant's or an unknown
+    id. One short read on a plain connection: a held poll repeats it."""
+    row = repo.request_outcome(conn, tenant_id=tenant.id, id=request_id)
     if row is None:
         raise NotFound("request", request_id, param="request_id")
-    return row if row.status in (repo.DONE, repo.FAILED) else None
+    status, result, result_format, error = row
+    if status in (repo.PENDING, repo.RUNNING):
+        return None
+    if status == repo.FAILED:
+        return Outcome(RequestFailed.from_error(error), b"", "application/json")
+    if result_format == "proto":
+        return Outcome(None, result or b"", PROTOBUF)
+    return Outcome(None, result or b"{}", "application/json")
+
+
+# -- the SDK's REST side: training runs, checkpoints, downloads -----------------------------------------------------
+
+
+def training_runs(session: Session, *, tenant: Caller, limit: int, offset: int) -> TrainingRunList:
+    """A page of the tenant's training runs with their latest checkpoints: three queries for any page size."""
+    limit, offset = max(1, min(limit, 100)), max(0, offset)
+    rows, total = repo.training_runs_page(session, tenant_id=tenant.id, limit=limit, offset=offset)
+    latest = repo.latest_checkpoints(
+        session, tenant_id=tenant.id, session_ids=[r.id for r in rows], kinds=("weights", "sampler_weights")
+    )
+    return TrainingRunList(
+        training_runs=[TrainingRun.from_row(r, latest[r.id]) for r in rows],
+        cursor=OffsetCursor(offset=offset, limit=limit, total_count=total),
+    )
+
+
+def training_run_info(session: Session, *, tenant: Caller, run_id: str) -> TrainingRun:
+    row = training_run(session, tenant, run_id, param="run_id")
+    latest = repo.latest_checkpoints(
+        session, tenant_id=tenant.id, session_ids=[row.id], kinds=("weights", "sampler_weights")
+    )
+    return TrainingRun.from_row(row, latest[row.id])
+
+
+def run_checkpoints(session: Session, *, tenant: Caller, run_id: str) -> CheckpointList:
+    row = training_run(session, tenant, run_id, param="run_id")
+    rows = repo.checkpoints_by_run(session, tenant_id=tenant.id, session_ids=[row.id])[row.id]
+    return CheckpointList(checkpoints=[TinkerCheckpoint.from_row(c) for c in rows])
+
+
+def user_checkpoints(session: Session, *, tenant: Caller, limit: int, offset: int) -> CheckpointList:
+    """A page of all the tenant's checkpoints, newest first."""
+    rows = repo.checkpoints_page(session, tenant_id=tenant.id, limit=max(1, min(limit, 1000)), offset=max(0, offset))
+    return CheckpointList(checkpoints=[TinkerCheckpoint.from_row(c) for c in rows])
+
+
+def _checkpoint_ref(run_id: str, kind: str, name: str) -> TinkerPath:
+    """The checkpoint a REST path names (``/training_runs/<run>/checkpoints/<kind>/<name>``), checked as a path."""
+    return parse_path(tinker_path(run_id, kind, name), param="checkpoint_id")
+
+
+def delete_checkpoint(
+    session: Session, *, store: ArtifactStore, tenant: Caller, run_id: str, kind: str, name: str
+) -> Empty:
+    """Forget the checkpoint and delete its bytes, unless a training session still starts from them."""
+    path = _checkpoint_ref(run_id, kind, name)
+    key = repo.delete_checkpoint(session, tenant_id=tenant.id, session_id=path.run_id, kind=path.kind, name=path.name)
+    if key is None:
+        raise NotFound("checkpoint", str(path), param="checkpoint_id")
+    if not repo.state_in_use(session, storage_key=key):
+        store.delete_prefix(key)
+    return Empty()
+
+
+def set_checkpoint_ttl(session: Session, *, tenant: Caller, run_id: str, kind: str, name: str, body: TtlBody) -> Empty:
+    path = _checkpoint_ref(run_id, kind, name)
+    found = repo.set_checkpoint_ttl(
+        session,
+        tenant_id=tenant.id,
+        session_id=path.run_id,
+        kind=path.kind,
+        name=path.name,
+        ttl_seconds=body.ttl_seconds,
+    )
+    if not found:
+        raise NotFound("checkpoint", str(path), param="checkpoint_id")
+    return Empty()
+
+
+def external_weights_urls(
+    session: Session, *, store: ArtifactStore, tenant: Caller, run_id: str, name: str, base_url: str
+) -> ExternalWeightsUrls:
+    """Unauthenticated download URLs of the exported adapter's files (the SDK fetches them with a plain GET). The
+    token in them was made with the export (``repo.record_checkpoint``): listing them writes nothing."""
+    path = _checkpoint_ref(run_id, "external_weights", name)
+    row = _checkpoint(session, tenant, path, param="checkpoint_id")
+    if row.download_token is None:
+        raise Conflict(f"{path} was exported before its download links were made with the export: export it again")
+    prefix = row.storage_key + "/"
+    files = [key.removeprefix(prefix) for key in store.list(row.storage_key)]
+    urls = {f: f"{base_url}/api/v1/weights/{row.download_token}/{f}" for f in files}
+    expires = row.expires_at or int(time.time()) + EXPORT_URLS_VALID_S
+    return ExternalWeightsUrls(urls=urls, expires=iso_time(expires))
+
+
+def export_key(conn: Connection, *, token: str, filename: str) -> str:
+    """The store key of one file of the exported weights that ``token`` downloads, while the export lasts; a 404
+    otherwise (an unknown token, an expired export, a name that is not a file of the export's folder)."""
+    found = repo.export_by_token(conn, token=token)
+    if found is None or "/" in filename or filename.startswith("."):
+        raise NotFound("weights", filename, param="filename")
+    key, expires_at = found
+    if expires_at is not None and expires_at < time.time():
+        raise NotFound("weights", filename, param="filename")
+    return f"{key}/{filename}"
+
+
+def open_export(store: ArtifactStore, *, key: str, filename: str) -> BinaryIO:
+    try:
+        return store.open(key)
+    except Exception:
+        raise NotFound("weights", filename, param="filename") from None
 
 
 # -- the dashboard's listing ----------------------------------------------------------------------------------------
@@ -618,16 +637,16 @@ MAX_LIST_LIMIT = 100
 def page(
     session: Session, *, tenant: Caller, after: str | None, limit: int
 ) -> tuple[list[tuple[TrainingSession, list[SessionCheckpoint]]], bool]:
-    """The tenant's training sessions, newest first, after the one named ``after``; and whether more follow."""
-    rows = repo.training_sessions_page(session, tenant_id=tenant.id, after=after, limit=limit + 1)
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return [(r, repo.checkpoints(session, tenant_id=tenant.id, session_id=r.id)) for r in rows], more
+    """The tenant's training sessions, newest first, after the one named ``after``, with their checkpoints; and
+    whether more follow. Two queries for any page size (three with ``after``)."""
+    rows, more = repo.training_sessions_page(session, tenant_id=tenant.id, after=after, limit=limit)
+    saved = repo.checkpoints_by_run(session, tenant_id=tenant.id, session_ids=[r.id for r in rows])
+    return [(r, saved[r.id]) for r in rows], more
 
 
 def detail(
     session: Session, *, tenant: Caller, session_id: str, recent: int
 ) -> tuple[TrainingSession, list[SessionCheckpoint], list[SessionRequest]]:
     row = training_run(session, tenant, session_id, param="session_id")
-    checkpoints = repo.checkpoints(session, tenant_id=tenant.id, session_id=row.id)
+    checkpoints = repo.checkpoints_by_run(session, tenant_id=tenant.id, session_ids=[row.id])[row.id]
     return row, checkpoints, repo.recent_requests(session, session_id=row.id, limit=recent)

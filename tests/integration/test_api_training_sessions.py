@@ -14,6 +14,7 @@ import pytest
 from api import ids
 from api.orm import SessionCheckpoint, SessionRequest, TinkerClientSession, TrainingSession
 from tests.integration.conftest import Tenant, assert_error, http_client, make_tenant
+from tests.integration.sql_statements import page_queries
 
 SESSIONS = "/v1/training_sessions"
 T0 = 1_767_000_000  # created_at of the sessions made here (unix seconds)
@@ -192,6 +193,27 @@ class TestListTrainingSessions:
             ],
             "recent_requests": None,
         }
+
+    def test_a_page_and_its_saved_states_cost_the_same_few_queries_whatever_its_size(
+        self, client: httpx.Client, tenant: Tenant, db: Callable[[], Any], settings: Any
+    ) -> None:
+        sessions = [add_session(db, tenant.id, created_at=T0 + i) for i in range(10)]
+        with db() as s:
+            for session_id in sessions:
+                for name in ("a", "b"):
+                    s.add(
+                        SessionCheckpoint(
+                            tenant_id=tenant.id, session_id=session_id, kind="weights", name=name, storage_key=name
+                        )
+                    )
+        small = page_queries(settings.db_url, client, SESSIONS, limit=2)
+        large = page_queries(settings.db_url, client, SESSIONS, limit=10)
+        after = page_queries(settings.db_url, client, SESSIONS, limit=10, after=sessions[5])
+        assert small == large <= 3  # the page and its saved states (and the key, when not cached)
+        assert after == small + 1  # and the cursor's position
+        body = client.get(SESSIONS, params={"limit": 3, "after": sessions[5]}).json()
+        assert [(s["id"], len(s["saved_states"])) for s in body["data"]] == [(i, 2) for i in sessions[4:1:-1]]
+        assert body["has_more"] is True
 
     def test_sampling_sessions_are_not_listed(
         self, client: httpx.Client, tenant: Tenant, db: Callable[[], Any]
