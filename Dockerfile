@@ -17,6 +17,7 @@ COPY pyproject.toml constraints.txt README.md ./
 COPY trainer ./trainer
 COPY api ./api
 COPY worker ./worker
+COPY proxima ./proxima
 COPY migrations ./migrations
 COPY alembic.ini ./
 RUN pip install -c constraints.txt -e .  # editable: migrations/ is read from the source tree

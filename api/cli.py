@@ -1,92 +1,30 @@
-"""``proxima``'s service commands: serve, worker, keys, db, and REST clients for files and jobs (design §7).
+"""``proxima``'s commands that need the API package alone: the service's keys and database, and REST clients for
+files and jobs (the console script itself, with the commands that start workers and train, is ``proxima.cli``).
 
-The trainer's local commands (train, eval, models, datasets) come from ``trainer.cli`` and are served by the same
-application, so one console script covers both. They import torch, so they are loaded only when one of them is run
-or listed: the API process that ``proxima serve`` runs, and the REST clients, never import torch.
+Nothing here imports torch or the worker: the REST clients and the API process that ``proxima serve`` runs stay
+light.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import os
-import secrets
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
 
 from api.status import TERMINAL_STATUSES, JobStatus
 from trainer.spec import metrics as M
 
-TRAINER_COMMANDS = ("train", "eval", "models", "datasets")
-
-
-@functools.cache
-def _trainer_commands() -> TyperGroup:
-    """``trainer.cli``'s commands (importing it imports torch)."""
-    from trainer.cli import app as trainer_app
-
-    group = typer.main.get_command(trainer_app)
-    assert isinstance(group, TyperGroup)
-    return group
-
-
-class _Commands(TyperGroup):
-    """The service's commands, and the trainer's taken from ``trainer.cli`` when one is run or listed."""
-
-    def list_commands(self, ctx: typer.Context) -> list[str]:  # type: ignore[override]
-        return [*TRAINER_COMMANDS, *super().list_commands(ctx)]
-
-    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:  # type: ignore[override]
-        if cmd_name in TRAINER_COMMANDS:
-            return _trainer_commands().get_command(ctx, cmd_name)
-        return super().get_command(ctx, cmd_name)
-
-
-app = typer.Typer(
-    cls=_Commands,
-    help="Proxima: reinforcement-learning fine-tuning of language models with LoRA.",
-    no_args_is_help=True,
-)
 console = Console(stderr=True, soft_wrap=True)  # messages stay on one line: scripts grep them
-
-
-@app.callback()
-def _setup(ctx: typer.Context) -> None:
-    if ctx.invoked_subcommand in TRAINER_COMMANDS and (callback := _trainer_commands().callback) is not None:
-        callback()  # the trainer's own set-up (quieter libraries), as when its group runs them
-    if ctx.invoked_subcommand in ("train", "eval"):
-        # The deployment's judge, embeddings endpoint and URL policy (PROXIMA_JUDGE_*, PROXIMA_EMBEDDINGS_*,
-        # PROXIMA_GRADER_*), as a worker hands them to its trainer: score_model, label_model, endpoint and cosine
-        # graders grade the same way locally.
-        from api.services.graders import remote_config
-        from api.settings import get_settings
-        from trainer.loops.evaluate import configure_remote
-
-        configure_remote(remote_config(get_settings()))
-
 
 files_app = typer.Typer(help="Datasets on a Proxima server (REST).", no_args_is_help=True)
 jobs_app = typer.Typer(help="Fine-tuning jobs on a Proxima server (REST).", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys (admin, on the server's machine).", no_args_is_help=True)
 db_app = typer.Typer(help="The service database.", no_args_is_help=True)
-tools_app = typer.Typer(help="Built-in tool servers for agent jobs.", no_args_is_help=True)
-app.add_typer(files_app, name="files")
-app.add_typer(jobs_app, name="jobs")
-app.add_typer(keys_app, name="keys")
-app.add_typer(db_app, name="db")
-app.add_typer(tools_app, name="tools")
 
 LOCAL_KEY_FILE = "local_api_key"
 
@@ -124,26 +62,6 @@ def prepare_database() -> None:
     s.home.mkdir(parents=True, exist_ok=True)
     if s.database_url is None or s.run_migrations:  # the embedded SQLite database is ours to migrate
         upgrade(s.db_url)
-
-
-@tools_app.command("calculator")
-def tools_calculator(
-    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port")] = 8765,
-    latency_ms: Annotated[
-        float, typer.Option(help="wait this long before every answer (to try slow tools; at most 60,000)")
-    ] = 0.0,
-) -> None:
-    """The calculator tool server (OpenAI agent RFT's function_call → function_call_output at POST /), the tool of
-    tiny-calc's agent task; in the foreground until interrupted. A job's tool entry: {"name": "calculator",
-    "server_url": "http://HOST:PORT/"}."""
-    from trainer.agents import calculator_server
-
-    if not 0 <= latency_ms <= calculator_server.MAX_LATENCY_S * 1000:
-        console.print(f"[red]error:[/red] --latency-ms must be in 0..{calculator_server.MAX_LATENCY_S * 1000:g}")
-        raise typer.Exit(2)
-    print(f"calculator tool at http://{host}:{port}/", flush=True)
-    calculator_server.serve(host, port, latency_ms / 1000)
 
 
 @db_app.command("upgrade")
@@ -232,49 +150,6 @@ def keys_revoke(
         console.print(f"key {target.id} ({prefix}…) of tenant {tenant_id} was already revoked at {_utc(revoked_at)}")
 
 
-@app.command()
-def worker(
-    concurrency: Annotated[int, typer.Option(help="jobs at a time (one per GPU)")] = 1,
-    hostname: Annotated[str | None, typer.Option(help="worker name")] = None,
-) -> None:
-    """A Celery worker alone (one per GPU in production)."""
-    from worker.main import run_worker
-
-    prepare_database()
-    if parent := os.environ.pop(SERVE_PID_ENV, None):
-        _exit_with_parent(int(parent))
-    run_worker(_settings(), concurrency=concurrency, hostname=hostname)
-
-
-@app.command()
-def inference(
-    host: Annotated[str | None, typer.Option(help="bind address (default PROXIMA_INFERENCE_HOST or 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="port (default PROXIMA_INFERENCE_PORT or 8001)")] = None,
-) -> None:
-    """The inference server: chat completions of the base models and their LoRA adapters (it imports torch)."""
-    from worker.inference import run_server
-
-    s = _settings()
-    if parent := os.environ.pop(SERVE_PID_ENV, None):
-        _exit_with_parent(int(parent))
-    run_server(s, host=host or s.inference_host, port=port or s.inference_port)
-
-
-SERVE_PID_ENV = "PROXIMA_SERVE_PID"
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """A worker started by `proxima serve` shuts down (warmly, via SIGTERM) when that process is gone."""
-    import threading
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, daemon=True, name="proxima-parent-watch").start()
-
-
 def serving_app() -> Any:
     """The app as ``proxima serve`` runs it, with the heap it was built with frozen out of the garbage collector.
 
@@ -297,87 +172,6 @@ def serving_app() -> Any:
     gc.collect()
     gc.freeze()
     return app
-
-
-@app.command()
-def serve(
-    host: Annotated[str | None, typer.Option(help="bind address (default PROXIMA_HOST or 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="port (default PROXIMA_PORT or 8000)")] = None,
-    no_worker: Annotated[bool, typer.Option("--no-worker", help="serve the API only")] = False,
-    no_inference: Annotated[
-        bool, typer.Option("--no-inference", help="start no inference server (chat completions then answer 503)")
-    ] = False,
-    workers: Annotated[int, typer.Option(help="API processes (uvicorn workers)")] = 1,
-) -> None:
-    """The API, (unless --no-worker) one worker and, unless PROXIMA_INFERENCE_URL names one or --no-inference, the
-    inference server of chat completions (`proxima inference`), on the configured or the embedded backends."""
-    import uvicorn
-
-    from trainer.builtin_models import BuiltinModelError, install_missing
-
-    s = _settings()
-    prepare_database()
-    try:  # the offered built-in models come with the project: a new machine serves them at once
-        for done in install_missing(s.base_models, s.model_store):
-            console.print(f"installed the shipped build of {done.name} in {done.path}")
-    except BuiltinModelError as err:
-        console.print(f"[yellow]warning:[/yellow] {err}")
-    if s.embedded:
-        key = ensure_local_key()
-        console.print(f"embedded backends under {s.home}; local API key: {key}")
-    children: list[subprocess.Popen[bytes]] = []
-    if s.inference_url is None and not no_inference:
-        children.append(_start_inference(s))
-    if not no_worker:
-        env = {**os.environ, SERVE_PID_ENV: str(os.getpid())}
-        children.append(subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=env))
-    # uvicorn raises the SIGTERM it caught again once it has shut down, which with the default handler would end this
-    # process before the `finally` below stops the worker and the inference server: raised as SystemExit instead.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        # Each uvicorn worker process builds its own app through the factory.
-        target: Any = serving_app() if workers == 1 else "api.cli:serving_app"
-        uvicorn.run(
-            target,
-            factory=workers > 1,
-            workers=workers,
-            host=host or s.host,
-            port=port or s.port,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
-        )
-    finally:
-        for child in children:
-            child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _start_inference(s: Any) -> subprocess.Popen[bytes]:
-    """`proxima inference` as a child of `proxima serve`: on PROXIMA_INFERENCE_PORT when it is set, else on a free
-    port (several deployments on one machine), with a shared key made for this run unless PROXIMA_INFERENCE_API_KEY
-    is set (nothing else on the machine can use it); the API is pointed at it through the environment, which the
-    app's settings (and uvicorn's worker processes) read."""
-    from api.settings import get_settings
-
-    port = s.inference_port if "inference_port" in s.model_fields_set else _free_port()
-    key = s.inference_api_key.get_secret_value() if s.inference_api_key is not None else secrets.token_urlsafe(32)
-    host = "127.0.0.1" if s.inference_host in ("0.0.0.0", "::", "") else s.inference_host
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    os.environ["PROXIMA_INFERENCE_API_KEY"] = key
-    env = {**os.environ, SERVE_PID_ENV: str(os.getpid())}
-    child = subprocess.Popen([sys.executable, "-m", "api.cli", "inference", "--port", str(port)], env=env)
-    os.environ["PROXIMA_INFERENCE_URL"] = url
-    get_settings.cache_clear()
-    console.print(f"inference server (`proxima inference`) starting at {url}")
-    return child
 
 
 # -- REST clients ---------------------------------------------------------------------------------------------
@@ -577,197 +371,3 @@ def download_adapter(c: Client, job_id: str, output: Path, *, checkpoint: str | 
         for chunk in r.iter_bytes():
             f.write(chunk)
     return output
-
-
-# -- the README's main job ------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Stages:
-    """The demo's stages, each named with how long it takes here before it starts and how long it took after: plain
-    lines, which read the same in a terminal and in a log."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
-        self.started = time.monotonic()
-
-    @contextlib.contextmanager
-    def stage(self, name: str, expected: str) -> Iterator[None]:
-        self.done += 1
-        console.print(f"[bold][{self.done}/{self.total}] {name}[/bold] ({expected})", highlight=False)
-        began = time.monotonic()
-        yield
-        console.print(f"      done in {time.monotonic() - began:.1f} s", highlight=False)
-
-    def finish(self) -> None:
-        console.print(f"[bold]demo done in {time.monotonic() - self.started:.0f} s[/bold]", highlight=False)
-
-
-# What the demo trains: GRPO on the tiny-arith task (what the README's figures are of).
-DEMO_GRADER = {
-    "type": "string_check",
-    "name": "accuracy",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.answer}}",
-    "operation": "eq",
-}
-
-
-def demo_job(files: dict[str, str], steps: int) -> dict[str, Any]:
-    hp = {"max_steps": steps, "batch_size": 8, "group_size": 8, "learning_rate": 3e-4, "beta": 0.04,
-          "max_completion_tokens": 8, "eval_interval": 10, "checkpoint_interval": 10}  # fmt: skip
-    return {
-        "model": "tiny-arith",
-        "training_file": files["train"],
-        "validation_file": files["validation"],
-        "suffix": "demo",
-        "seed": 0,
-        "method": {"type": "grpo", "grpo": {"grader": DEMO_GRADER, "hyperparameters": hp}},
-    }
-
-
-@app.command()
-def demo(
-    workdir: Annotated[Path, typer.Option(help="where the demo writes its data and downloads")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(help="training steps")] = 40,
-) -> None:
-    """The main job end to end on the embedded default: install tiny-arith, start the service, upload the dataset,
-    create a GRPO job over REST, follow it live, download the adapter, compare base and trained accuracy."""
-    from trainer.builtin_models import tiny_arith
-    from trainer.cli import install_builtin
-
-    stages = Stages(5)
-    console.print(f"Proxima's demo: GRPO teaches tiny-arith to carry, on this machine, in {steps} steps")
-    with stages.stage("base model", "under a second: the shipped build, copied and checked"):
-        install_builtin(tiny_arith.MODEL_NAME)
-    data = workdir / "data"
-    tiny_arith.write_arithmetic_datasets(data)
-    with stages.stage("starting the service", "a few seconds: the API, a worker and the inference server"):
-        server, base = _start_demo_server(workdir)
-    c: Client | None = None
-    try:
-        c = Client(base, None)
-        with stages.stage("uploading the datasets", "a second"):
-            files = {name: _upload(c, data / f"{name}.jsonl") for name in ("train", "validation")}
-        expected = f"about {max(5, steps // 3)} s on 2 cores with fast bf16 matmuls, up to twice that in fp32"
-        with stages.stage(f"training: GRPO, {steps} steps of 8 prompts × 8 samples", expected):
-            job = c.json("POST", "/fine_tuning/jobs", json=demo_job(files, steps))
-            console.print(f"      created {job['id']}; its steps as they finish:")
-            job = follow_job(c, job["id"])
-            if job["status"] != JobStatus.SUCCEEDED:
-                console.print(f"[red]job {job['status']}[/red]: {job.get('error')}")
-                raise typer.Exit(1)
-            console.print(f"      fine-tuned model {job['fine_tuned_model']}")
-        with stages.stage("evaluating the downloaded adapter", "a few seconds"):
-            _evaluate_demo(c, job, workdir, data)
-    finally:
-        if c is not None:
-            c.http.close()
-        _stop(server)
-    stages.finish()
-
-
-def _start_demo_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """``proxima serve`` on a free port, its output in ``workdir/server.log``; once it is ready, with its URL."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    env = {**os.environ, "PROXIMA_PORT": str(port)}
-    with (workdir / "server.log").open("w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "api.cli", "serve"], env=env, stdout=log, stderr=log)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            _stop(server)
-            console.print(f"[red]error:[/red] the server did not start; see {workdir / 'server.log'}")
-            raise typer.Exit(2)
-        time.sleep(0.5)
-    console.print(f"      up at {base} (embedded SQLite, broker and artifact folder under {_settings().home})")
-    return server, base
-
-
-def _stop(server: subprocess.Popen[bytes]) -> None:
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.kill()
-
-
-def _upload(c: Client, path: Path) -> str:
-    with path.open("rb") as f:
-        file_id: str = c.json("POST", "/files", files={"file": (path.name, f)}, data={"purpose": "fine-tune"})["id"]
-    console.print(f"      {path.name}: {file_id}")
-    return file_id
-
-
-def _evaluate_demo(c: Client, job: dict[str, Any], workdir: Path, data: Path) -> None:
-    """The downloaded adapter loaded with PEFT here against the base, then both asked one question over chat."""
-    import tarfile
-
-    archive = download_adapter(c, job["id"], workdir / "adapter.tar.gz")
-    adapter_dir = workdir / "adapter"
-    with tarfile.open(archive) as tar:
-        tar.extractall(adapter_dir, filter="data")
-    base_acc, trained_acc = _accuracy_with_and_without(adapter_dir, data / "validation.jsonl", DEMO_GRADER)
-    console.print(
-        f"      validation greedy accuracy (the adapter in {adapter_dir}, loaded with PEFT here): "
-        f"base {base_acc:.3f} → trained {trained_acc:.3f}"
-    )
-    question = "What is 57 + 68?"  # a carry: tiny-arith's base model tends to drop it (15)
-    for model in ("tiny-arith", job["fine_tuned_model"]):
-        body = {"model": model, "messages": [{"role": "user", "content": question}], "temperature": 0}
-        r = c.http.post("/chat/completions", json=body)
-        said = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else f"(HTTP {r.status_code})"
-        console.print(f"      chat completion of {model}: {question} → {said}")
-
-
-def _accuracy_with_and_without(adapter_dir: Path, data: Path, grader_obj: dict[str, Any]) -> tuple[float, float]:
-    """Greedy mean reward of tiny-arith alone and with the adapter (``PeftModel.from_pretrained``)."""
-    from transformers.utils import logging as hf_logging
-
-    from trainer.builtin_models import tiny_arith
-    from trainer.cli import resolve_model
-    from trainer.generation.encoding import encode_prompts
-    from trainer.generation.models import (
-        default_device,
-        load_adapter,
-        load_base_model,
-        load_tokenizer,
-        resolve_precision,
-    )
-    from trainer.grading import graders
-    from trainer.loops.evaluate import evaluate
-    from trainer.spec.data import load_prompts
-
-    hf_logging.disable_progress_bar()  # the loading bar of 38 small tensors says nothing
-    g = graders.parse_grader(grader_obj)
-    items = load_prompts(data, grader=g)
-    path = resolve_model(tiny_arith.MODEL_NAME)
-    tok = load_tokenizer(path)
-    prompts = encode_prompts(tok, items, max_prompt_tokens=1_000)
-    device = default_device()
-    precision = resolve_precision("auto", device)
-    model = load_adapter(load_base_model(path, device), adapter_dir)
-    trained = evaluate(model, tok, prompts, items, g, max_new_tokens=8, precision=precision).mean_reward
-    with model.disable_adapter():
-        base = evaluate(model, tok, prompts, items, g, max_new_tokens=8, precision=precision).mean_reward
-    return base, trained
-
-
-def main() -> None:  # pragma: no cover
-    sys.exit(app())
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -60,8 +60,25 @@ class PayloadTooLarge(ApiError):
     status = 413
 
 
+class ModelNotFound(ApiError):
+    """OpenAI's answer to a model that does not exist (or, from the API, one the caller may not use: the two are not
+    told apart)."""
+
+    status = 404
+
+    def __init__(self, message: str, *, param: str | None = "model") -> None:
+        super().__init__(message, param=param, code="model_not_found")
+
+
 class Unavailable(ApiError):
     status = 503
+    type = "server_error"
+
+
+class Internal(ApiError):
+    """A failure the server knows to be its own (a bug) but caught where it can still answer in the envelope."""
+
+    status = 500
     type = "server_error"
 
 
@@ -182,22 +199,72 @@ def allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
-def install(app: FastAPI) -> None:
+def validation_error(err: RequestValidationError) -> JSONResponse:
+    """The API's 400 for a body or query that does not validate: ``param`` the field's dotted path, the message
+    pydantic's (``unknown field`` for one the schema lacks)."""
+    first = err.errors()[0]
+    # FastAPI puts where the value came from first ("body", "query", ...); only that element is not the field's
+    # path (a metadata key may itself be called "body").
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in ("body", "query", "path", "form", "header", "cookie"):
+        loc = loc[1:]
+    param = ".".join(loc) or None
+    msg = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid request")
+    return error_json(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param=param)
+
+
+def _openai_param(loc: tuple[Any, ...]) -> str | None:
+    """A pydantic location as OpenAI names a parameter: ``messages[0].content``."""
+    out = ""
+    for p in loc:
+        if p in ("body", "query"):
+            continue
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def openai_validation_error(err: RequestValidationError) -> JSONResponse:
+    """The same 400 in OpenAI's own words, as OpenAI-compatible servers (vLLM) answer it: an unknown top-level
+    parameter is "Unrecognized request argument supplied: NAME" (``param`` null), a missing one "Missing required
+    parameter", a body that is not JSON OpenAI's hint about it."""
+    first = err.errors()[0]
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        # OpenAI's own words for an unknown top-level parameter (a nested one is named by its path)
+        name = _openai_param(loc) or "?"
+        return error_json(400, f"Unrecognized request argument supplied: {name}", "invalid_request_error")
+    if first.get("type") == "json_invalid":
+        message = "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+        message += "HTTP library correctly. The OpenAI API expects a JSON payload.)"
+        return error_json(400, message, "invalid_request_error")
+    param = _openai_param(loc)
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "missing":
+        return error_json(400, f"Missing required parameter: '{param}'.", "invalid_request_error", param=param)
+    return error_json(400, f"Invalid value for '{param}': {msg}", "invalid_request_error", param=param)
+
+
+def _http_message(request: Request, err: StarletteHTTPException, *, openai_wording: bool) -> str:
+    if openai_wording and err.status_code == 404:
+        return f"Invalid URL ({request.method} {request.url.path})"
+    if openai_wording and err.status_code == 405:
+        return f"Method not allowed ({request.method} {request.url.path})"
+    return str(err.detail)
+
+
+def install(app: FastAPI, *, openai_wording: bool = False) -> None:
+    """Every error of ``app`` rendered in the envelope. ``openai_wording``: invalid requests and unknown URLs or
+    methods in OpenAI's own words (:func:`openai_validation_error`), for the inference server, whose clients are
+    OpenAI's and vLLM's; the API names the invalid field instead (:func:`validation_error`)."""
+    invalid = openai_validation_error if openai_wording else validation_error
+
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, err: ApiError) -> JSONResponse:
         return error_json(err.status, err.message, err.type, param=err.param, code=err.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0]
-        # FastAPI puts where the value came from first ("body", "query", ...); only that element is not the field's
-        # path (a metadata key may itself be called "body").
-        loc = [str(p) for p in first.get("loc", ())]
-        if loc and loc[0] in ("body", "query", "path", "form", "header", "cookie"):
-            loc = loc[1:]
-        param = ".".join(loc) or None
-        msg = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid request")
-        return error_json(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param=param)
+        return invalid(err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -205,7 +272,7 @@ def install(app: FastAPI) -> None:
         headers = dict(err.headers or {})
         if err.status_code == 405:
             headers["Allow"] = ", ".join(allowed_methods(request))
-        response = error_json(err.status_code, str(err.detail), type_)
+        response = error_json(err.status_code, _http_message(request, err, openai_wording=openai_wording), type_)
         response.headers.update(headers)
         return response
 

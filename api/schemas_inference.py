@@ -3,7 +3,8 @@
 The API validates every parameter before it forwards a request to the inference server (``api.services.inference``):
 an unknown parameter, a value of the wrong type or out of OpenAI's range is a 400 naming it (``param``), whichever
 server (``proxima inference`` or vLLM) stands behind. The answers are the server's, passed through with ``model``
-rewritten; the response models here document them (they are not used to re-validate what the server sends).
+rewritten (not validated again); ``proxima inference`` builds its answers with the response models here, and takes
+the same requests, with its adapter endpoints' bodies besides.
 """
 
 from __future__ import annotations
@@ -124,6 +125,10 @@ class _Sampling(_Request):
             )
         return self
 
+    def stops(self) -> tuple[str, ...]:
+        """The stop sequences as a tuple (none, one or several)."""
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
     def forwarded(self, *, served: str) -> dict[str, Any]:
         """The body for the inference server: the parameters the client set (nulls dropped), ``model`` the
         server's name for it."""
@@ -164,7 +169,26 @@ class CompletionRequest(_Sampling):
     ) = None
 
 
-# -- answers (documentation only: the server's JSON is passed through) -----------------------------------------
+# -- the inference server's adapters (vLLM's dynamic LoRA endpoints; the API calls them, clients never do) -------
+
+
+class LoadLoraAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter``: ``lora_path`` an artifact-store key of an adapter archive or an absolute path
+    to an adapter folder; ``base_model_name`` may be left out where the server has one base model."""
+
+    lora_name: str = Field(min_length=1, max_length=512)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    base_model_name: str | None = None
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = Field(None, description="vLLM's; ignored")
+
+
+# -- answers (the inference server builds them; the API passes its JSON through) ---------------------------------
 
 
 class _Answer(BaseModel):
@@ -180,6 +204,7 @@ class Usage(_Answer):
 class AssistantMessage(_Answer):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    refusal: str | None = None
 
 
 class ChatChoice(_Answer):

@@ -374,7 +374,7 @@ def main() -> None:
             _, key_b = create_key(s, tenant_name="attacker")
         log = (home / "server.log").open("w")
         server = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--no-worker"], env=env, stdout=log, stderr=log
+            [sys.executable, "-m", "proxima.cli", "serve", "--no-worker"], env=env, stdout=log, stderr=log
         )
         base = f"http://127.0.0.1:{port}"
         for _ in range(300):

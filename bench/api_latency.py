@@ -428,7 +428,7 @@ def main() -> None:
     try:
         key, job_id = seed(env, args.metrics_rows)
         server = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--workers", str(args.api_workers)], env=env
+            [sys.executable, "-m", "proxima.cli", "serve", "--no-worker", "--workers", str(args.api_workers)], env=env
         )
         base = f"http://127.0.0.1:{port}"
         for _ in range(300):
@@ -494,7 +494,7 @@ def post_to_running(env: dict[str, str], home: Path, base: str, key: str) -> tup
         shutil.copytree(built, home / "models" / "tiny-arith")
     else:
         build_tiny_arith(home / "models" / "tiny-arith")
-    worker = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=env)
+    worker = subprocess.Popen([sys.executable, "-m", "proxima.cli", "worker"], env=env)
     try:
         data = write_arithmetic_datasets(home / "data")
         h = {"Authorization": f"Bearer {key}"}

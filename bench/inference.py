@@ -88,7 +88,7 @@ def start_server(home: Path, model_dir: Path, precision: str) -> tuple[subproces
         "PROXIMA_INFERENCE_API_KEY": KEY,
         "PROXIMA_INFERENCE_PRECISION": precision,
     }
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "inference", "--port", str(port)], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "proxima.cli", "inference", "--port", str(port)], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from api import ids
 from api.auth import Caller
-from api.errors import RETRY_AFTER_S, ApiError, error_json
+from api.errors import RETRY_AFTER_S, ModelNotFound, error_json
 from api.repositories import inference as inference_repo
 from api.schemas_inference import ChatCompletionRequest, CompletionRequest
 from api.settings import Settings
@@ -55,17 +55,9 @@ _CHECKPOINT_NAME = re.compile(r"^(?P<model>ft:.+):ckpt-step-(?P<step>[0-9]{1,9})
 _FINE_TUNED_NAME = re.compile(r"^ft:.+:(?P<job>[A-Za-z0-9]{1,64})$")
 
 
-class ModelNotFound(ApiError):
+def _no_such_model(model: str) -> ModelNotFound:
     """OpenAI's answer to a model that does not exist or that the caller may not use (the two are not told apart)."""
-
-    status = 404
-
-    def __init__(self, model: str) -> None:
-        super().__init__(
-            f"The model `{model}` does not exist or you do not have access to it.",
-            param="model",
-            code="model_not_found",
-        )
+    return ModelNotFound(f"The model `{model}` does not exist or you do not have access to it.")
 
 
 @dataclass(frozen=True)
@@ -95,24 +87,24 @@ def resolve(conn: Connection, *, settings: Settings, tenant: Caller, model: str)
         name, step = checkpoint_match["model"], int(checkpoint_match["step"])
     match = _FINE_TUNED_NAME.match(name)
     if match is None:
-        raise ModelNotFound(model)
+        raise _no_such_model(model)
     job = inference_repo.job(conn, tenant_id=tenant.id, job_id=f"ftjob-{match['job']}")
     # The name is rebuilt from the job and compared whole: a name that only ends with a job's id names nothing.
     if job is None or name != ids.fine_tuned_model_name(
         model=job.model, tenant_id=job.tenant_id, suffix=job.suffix, job_id=job.id
     ):
-        raise ModelNotFound(model)
+        raise _no_such_model(model)
     if step is None:
         if job.status != JobStatus.SUCCEEDED or job.fine_tuned_model != model:
-            raise ModelNotFound(model)
+            raise _no_such_model(model)
         key = inference_repo.final_adapter_key(conn, tenant_id=tenant.id, file_ids=list(job.result_files or []))
         if key is None:  # its adapter file was deleted
-            raise ModelNotFound(model)
+            raise _no_such_model(model)
         return Target(model=model, served=job.id, adapter=Adapter(lora_name=job.id, lora_path=key, base=job.model))
     # A checkpoint answers while its job still runs (or after it failed): it is the tenant's all the same.
     ckpt = inference_repo.checkpoint(conn, job_id=job.id, step=step)
     if ckpt is None:
-        raise ModelNotFound(model)
+        raise _no_such_model(model)
     path = f"{str(ckpt.storage_key).rstrip('/')}/{CHECKPOINT_ADAPTER}"
     return Target(model=model, served=ckpt.id, adapter=Adapter(lora_name=ckpt.id, lora_path=path, base=job.model))
 

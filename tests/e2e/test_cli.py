@@ -16,7 +16,7 @@ from tests.e2e.test_learning import ACCURACY
 def proxima(
     *args: str, home: Path, module: str = "trainer.cli", env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """The trainer's command line (`module` api.cli: the `proxima` console script, which reads the settings)."""
+    """The trainer's command line (`module` proxima.cli: the `proxima` console script, which reads the settings)."""
     full_env = {**os.environ, "PROXIMA_HOME": str(home), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", module, *args], env=full_env, text=True, capture_output=True, timeout=300
@@ -128,7 +128,7 @@ def test_models_build_installs_the_shipped_build_once_and_prints_its_folder_last
 def test_proxima_eval_grades_with_the_deployments_judge(
     random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
-    # `proxima train` and `proxima eval` read PROXIMA_JUDGE_* as the worker does (api.cli), so a score_model
+    # `proxima train` and `proxima eval` read PROXIMA_JUDGE_* as the worker does (proxima.cli), so a score_model
     # grader grades locally against the same judge.
     from tests.remote_grader_servers import _ANSWER_RE, _QUESTION_RE, _prompt, serve_remote_graders, sum_score
 
@@ -164,7 +164,7 @@ def test_proxima_eval_grades_with_the_deployments_judge(
             "3",
             "--json",
             home=tmp_path,
-            module="api.cli",
+            module="proxima.cli",
             env=judge,
         )
         assert out.returncode == 0, out.stderr
@@ -196,7 +196,7 @@ def test_proxima_train_runs_an_agent_job_against_proxima_tools_calculator(tiny_c
         port = s.getsockname()[1]
     env = {**os.environ, "PROXIMA_HOME": str(tmp_path)}
     server = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "tools", "calculator", "--port", str(port)],
+        [sys.executable, "-m", "proxima.cli", "tools", "calculator", "--port", str(port)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -249,12 +249,17 @@ def test_proxima_train_runs_an_agent_job_against_proxima_tools_calculator(tiny_c
             "--output",
             str(tmp_path / "run"),
             home=tmp_path,
-            module="api.cli",
+            module="proxima.cli",
             env=policy,
         )
         assert out.returncode == 0, out.stderr[-3000:]
         refused = proxima(
-            "train", str(tmp_path / "spec.json"), "--output", str(tmp_path / "run2"), home=tmp_path, module="api.cli"
+            "train",
+            str(tmp_path / "spec.json"),
+            "--output",
+            str(tmp_path / "run2"),
+            home=tmp_path,
+            module="proxima.cli",
         )
     finally:
         server.terminate()

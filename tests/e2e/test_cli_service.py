@@ -43,7 +43,7 @@ def server(random_model_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
     }
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve"], env=env, stdout=log, stderr=log, start_new_session=True
+        [sys.executable, "-m", "proxima.cli", "serve"], env=env, stdout=log, stderr=log, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 120
@@ -95,7 +95,7 @@ def _group_alive(pgid: int) -> bool:
 
 def proxima(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", *args], env=env, text=True, capture_output=True, timeout=300
+        [sys.executable, "-m", "proxima.cli", *args], env=env, text=True, capture_output=True, timeout=300
     )
 
 

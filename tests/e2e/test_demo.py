@@ -29,7 +29,7 @@ def test_the_demo_on_an_empty_home_names_each_stage_and_the_job_it_trains_lifts_
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}  # the embedded default, as make demo
     env["PROXIMA_HOME"] = str(tmp_path / "home")
     done = subprocess.run(
-        [sys.executable, "-m", "api.cli", "demo", "--workdir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "proxima.cli", "demo", "--workdir", str(tmp_path / "demo")],
         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     out = done.stdout + done.stderr

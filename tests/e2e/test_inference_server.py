@@ -118,7 +118,7 @@ def server(tiny_arith_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     }
     log = (root / "server.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "inference", "--port", str(port)], env=env, stdout=log, stderr=log
+        [sys.executable, "-m", "proxima.cli", "inference", "--port", str(port)], env=env, stdout=log, stderr=log
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

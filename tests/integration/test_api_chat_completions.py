@@ -53,7 +53,7 @@ QUESTIONS = ["What is 23 + 58?", "What is 57 + 68?", "What is 4 + 5?", "What is 
 
 
 class InferenceServer:
-    """``python -m api.cli inference`` on a free port, reading adapters from the test service's artifact store."""
+    """``python -m proxima.cli inference`` on a free port, reading adapters from the test service's artifact store."""
 
     def __init__(self, root: Path, *, artifacts: str, model_dir: Path) -> None:
         home = root / "home"
@@ -74,7 +74,7 @@ class InferenceServer:
     def start(self, timeout: float = 180.0) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "api.cli", "inference", "--port", str(self.port)],
+                [sys.executable, "-m", "proxima.cli", "inference", "--port", str(self.port)],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -26,7 +26,7 @@ def run_fresh(code: str, *, env_home: Path | None = None) -> subprocess.Complete
     )
 
 
-@pytest.mark.parametrize("module", ["api.app", "api.cli", "api.services.jobs", "api.services.graders"])
+@pytest.mark.parametrize("module", ["api.app", "api.cli", "api.services.jobs", "api.services.graders", "proxima.cli"])
 def test_importing_the_api_imports_no_torch(module: str) -> None:
     out = run_fresh(f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     assert out.returncode == 0, out.stderr

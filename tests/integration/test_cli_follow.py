@@ -70,7 +70,11 @@ def test_follow_prints_each_checkpoint_after_the_metrics_line_of_its_step(
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
     env |= {"PROXIMA_API_BASE": base_url, "PROXIMA_API_KEY": tenant_a.key}
     out = subprocess.run(
-        [sys.executable, "-m", "api.cli", "jobs", "follow", job_id], env=env, text=True, capture_output=True, timeout=60
+        [sys.executable, "-m", "proxima.cli", "jobs", "follow", job_id],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     order = _order(

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from api.cli import app
+from proxima.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 

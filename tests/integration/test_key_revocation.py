@@ -46,7 +46,7 @@ def _env(settings: Any, **extra: str) -> dict[str, str]:
 def proxima(settings: Any, *args: str) -> subprocess.CompletedProcess[str]:
     """`proxima ARGS` in a process of its own, as an admin runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", *args], env=_env(settings), text=True, capture_output=True, timeout=60
+        [sys.executable, "-m", "proxima.cli", *args], env=_env(settings), text=True, capture_output=True, timeout=60
     )
 
 
@@ -57,10 +57,11 @@ def cli(settings: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
     from typer.testing import CliRunner
 
     from api import cli as cli_module
+    from proxima.cli import app
 
     monkeypatch.setattr(cli_module, "_settings", lambda: settings)
     runner = CliRunner()
-    return lambda *args: runner.invoke(cli_module.app, list(args))
+    return lambda *args: runner.invoke(app, list(args))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def two_apis(settings: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             log = (logs / f"api-{i}.log").open("w")
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--no-inference"],
+                    [sys.executable, "-m", "proxima.cli", "serve", "--no-worker", "--no-inference"],
                     env=_env(settings, PROXIMA_PORT=str(port)),
                     stdout=log,
                     stderr=log,
