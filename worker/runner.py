@@ -63,10 +63,10 @@ def trainer_error_codes() -> dict[type[BaseException], ErrorCode]:
 
     from trainer.agents.tools import EnvironmentFailed
     from trainer.generation.models import ModelError
-    from trainer.grading.graders import GraderError, GraderFailed
     from trainer.grading.sandbox import SandboxUnavailable
     from trainer.spec.config import SpecError
     from trainer.spec.data import DatasetError
+    from trainer.spec.graders import GraderError, GraderFailed
 
     return {
         MemoryError: ErrorCode.OUT_OF_MEMORY,
@@ -195,69 +195,89 @@ def peer_failed(err: BaseException) -> bool:
     )
 
 
+def _message_channel() -> Pipe:
+    """Messages get a private copy of stdout; fd 1 then points at stderr so stray prints cannot corrupt them."""
+    pipe = Pipe(os.fdopen(os.dup(1), "w", encoding="utf-8"))
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return pipe
+
+
+def _train(run_dir: Path, callback: Any, remote_graders: str | None, *, main_rank: bool, pipe: Pipe) -> Any:
+    """Build the trainer from ``RUN_DIR/spec.json`` and run it (resuming from the run folder's checkpoint); its
+    result. The trainer's modules are imported here, after the message channel is open, so that their own
+    failures are reported."""
+    from transformers.utils import logging as hf_logging
+
+    from trainer.generation import distributed
+    from trainer.generation.models import ModelError
+    from trainer.grading.remote_graders import RemoteConfig
+    from trainer.grading.remote_process import configure_remote
+    from trainer.spec.config import parse_spec
+    from trainer.train import build_trainer
+
+    hf_logging.disable_progress_bar()
+    if remote_graders is not None:
+        configure_remote(RemoteConfig.model_validate_json(remote_graders))
+    spec = parse_spec(json.loads((run_dir / "spec.json").read_text()))
+    world = distributed.from_environment()
+    distributed.initialise(world)
+    try:
+        trainer = build_trainer(spec, output_dir=run_dir, callback=callback(world), world=world)
+    except OSError as err:  # the datasets are local files the worker wrote: this is the model or its tokenizer
+        raise ModelError(f"cannot load model {spec.model!r}: {err}") from err
+    if main_rank:
+        pipe.send(msg.Started(total_steps=trainer.total_steps))
+    return trainer.run(resume=True)
+
+
+def _report_failure(err: BaseException, pipe: Pipe, progress: Progress) -> int:
+    """Send the run's error to the parent (its traceback to stderr); the exit code."""
+    traceback.print_exc()
+    sys.stderr.flush()
+    if "WORLD_SIZE" in os.environ:
+        with contextlib.suppress(Exception):
+            if peer_failed(err):  # another rank's death: the launcher reports it
+                return EXIT_ERROR
+    code = _safe_error_code(err)
+    if code is None:  # not one of the trainer's typed errors: a bug, or a value the trainer did not expect
+        pipe.send(msg.Error(code=ErrorCode.TRAINER_ERROR, message=summary(err), step=progress.last_step))
+    else:
+        pipe.send(
+            msg.Error(
+                code=code,
+                message=str(err),
+                param=getattr(err, "param", None),
+                path=getattr(err, "path", None),
+                line=getattr(err, "line", None),
+                detail=getattr(err, "detail", None),
+                step=progress.last_step,
+            )
+        )
+    return EXIT_ERROR
+
+
 def main(run_dir: Path) -> int:
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))  # set by the launcher (worker.launch) for a job on several devices
     remote_graders = os.environ.pop(REMOTE_GRADERS_ENV, None)
     if os.environ.get(HANG_ENV) == "start":
         _hang_as_if_stuck()
-    # Messages get a private copy of stdout; fd 1 then points at stderr so stray prints cannot corrupt them.
-    pipe = Pipe(os.fdopen(os.dup(1), "w", encoding="utf-8"))
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    pipe = _message_channel()
     stop, progress = threading.Event(), Progress()
     if rank == 0:  # the parent's control channel is rank 0's; the other ranks hear of a stop from it
         threading.Thread(target=_watch_stdin, args=(stop, pipe, progress), daemon=True, name="control").start()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-
     try:
-        from transformers.utils import logging as hf_logging
-
-        from trainer.generation import distributed
-        from trainer.generation.models import ModelError
-        from trainer.grading.remote_graders import RemoteConfig
-        from trainer.loops.evaluate import configure_remote
-        from trainer.spec.config import parse_spec
-        from trainer.train import build_trainer
-
-        hf_logging.disable_progress_bar()
-        if remote_graders is not None:
-            configure_remote(RemoteConfig.model_validate_json(remote_graders))
-        spec = parse_spec(json.loads((run_dir / "spec.json").read_text()))
-        world = distributed.from_environment()
-        distributed.initialise(world)
-        try:
-            trainer = build_trainer(
-                spec, output_dir=run_dir, callback=_make_callback(pipe, stop, progress, world), world=world
-            )
-        except OSError as err:  # the datasets are local files the worker wrote: this is the model or its tokenizer
-            raise ModelError(f"cannot load model {spec.model!r}: {err}") from err
-        if rank == 0:
-            pipe.send(msg.Started(total_steps=trainer.total_steps))
-        result = trainer.run(resume=True)
+        result = _train(
+            run_dir,
+            lambda world: _make_callback(pipe, stop, progress, world),
+            remote_graders,
+            main_rank=rank == 0,
+            pipe=pipe,
+        )
     except BaseException as err:
-        traceback.print_exc()
-        sys.stderr.flush()
-        if "WORLD_SIZE" in os.environ:
-            with contextlib.suppress(Exception):
-                if peer_failed(err):  # another rank's death: the launcher reports it
-                    return EXIT_ERROR
-        code = _safe_error_code(err)
-        if code is None:  # not one of the trainer's typed errors: a bug, or a value the trainer did not expect
-            pipe.send(msg.Error(code=ErrorCode.TRAINER_ERROR, message=summary(err), step=progress.last_step))
-        else:
-            pipe.send(
-                msg.Error(
-                    code=code,
-                    message=str(err),
-                    param=getattr(err, "param", None),
-                    path=getattr(err, "path", None),
-                    line=getattr(err, "line", None),
-                    detail=getattr(err, "detail", None),
-                    step=progress.last_step,
-                )
-            )
-        return EXIT_ERROR
+        return _report_failure(err, pipe, progress)
     if rank != 0:
         return 0
     pipe.send(

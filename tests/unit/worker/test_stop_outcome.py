@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.tasks import stopped_as
+from worker.job_finish import stopped_as
 
 
 @pytest.mark.parametrize(
