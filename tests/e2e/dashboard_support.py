@@ -108,7 +108,7 @@ class DashboardServer:
     def start(self, timeout: float = 120.0) -> None:
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "api.cli", "serve"],
+                [sys.executable, "-m", "proxima.cli", "serve"],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

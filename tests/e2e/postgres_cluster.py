@@ -15,8 +15,7 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -110,11 +109,3 @@ def postgres_cluster() -> Iterator[PostgresCluster]:
         yield cluster
     finally:
         cluster.close()
-
-
-def wait_until(check: Callable[[], object], *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)

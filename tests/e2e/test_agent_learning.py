@@ -19,7 +19,7 @@ from tests.e2e.test_agent_loop import EXACT
 from trainer.agents import calculator_server
 from trainer.builtin_models import tiny_calc
 from trainer.grading.remote_graders import RemoteConfig
-from trainer.loops.evaluate import configure_remote, remote_config
+from trainer.grading.remote_process import configure_remote, remote_config
 from trainer.spec import metrics as M
 from trainer.spec.callbacks import JsonlFiles
 from trainer.spec.config import parse_spec

@@ -34,7 +34,7 @@ from trainer.builtin_models import tiny_calc
 from trainer.generation.encoding import completion_batch
 from trainer.generation.rollout_engine import Generation, SamplingParams
 from trainer.grading.remote_graders import RemoteConfig
-from trainer.loops.evaluate import configure_remote, remote_config
+from trainer.grading.remote_process import configure_remote, remote_config
 from trainer.loops.rl import RLTrainer
 from trainer.spec import metrics as M
 from trainer.spec.callbacks import BaseCallback
@@ -140,7 +140,7 @@ def test_episodes_hold_calls_results_and_answers_and_only_the_policy_tokens_are_
 ) -> None:
     spec = parse_spec(agent_spec(random_calc_model_dir, calc_data, [calculator_server.calculator_tool(calculator)]))
     t = RLTrainer(spec, output_dir=tmp_path, callback=BaseCallback(), rollout_engine=scripted())
-    tok = t.tokenizer
+    tok = t.prompts.tokenizer
     batch = t.collect()
     ro, samples = batch.rollout.to("cpu"), batch.samples
     assert samples.episodes is not None and len(samples.episodes) == len(batch) == 16
@@ -198,13 +198,13 @@ def test_the_loss_gradient_on_tool_output_logits_is_exactly_zero(
         out.retain_grad()
         captured.append(out)
 
-    head = t.model.get_output_embeddings()
+    head = t.models.model.get_output_embeddings()
     handle = head.register_forward_hook(keep)
     try:
         idx = torch.arange(len(batch))
         scale = LossScale(float(batch.loss_mask.sum()), len(batch), t.hp.max_completion_tokens)
         t.engine.zero_grad()
-        t._micro_batch(batch, adv, idx, scale, first_pass=True)
+        t.updater.micro_batch(batch, adv, idx, scale, first_pass=True)
     finally:
         handle.remove()
     ro = batch.rollout
@@ -247,7 +247,7 @@ def test_an_episode_of_one_turn_trains_exactly_as_a_single_reply(
     for spec in (with_tools, plain):
         t = RLTrainer(spec, output_dir=tmp_path / str(len(runs)), callback=BaseCallback(), rollout_engine=never)
         m = t.step(1)
-        runs.append((m, [p.detach().clone() for p in t.params]))
+        runs.append((m, [p.detach().clone() for p in t.models.params]))
     (m_tools, p_tools), (m_plain, p_plain) = runs
     shared = {k for k in m_plain if k not in M.TIMING_METRICS}
     assert {k: m_tools[k] for k in shared} == {k: m_plain[k] for k in shared}
@@ -281,6 +281,7 @@ class _Slow(_Garbage):
         super().do_POST()
 
 
+@pytest.mark.alone  # a slow server's calls are timed (cut at once, side by side)
 @pytest.mark.parametrize("fault", ["down", "slow", "garbage"])
 def test_a_faulty_tool_server_ends_no_job_and_the_metrics_show_it(
     fault: str, random_calc_model_dir: Path, calc_data: Path, tmp_path: Path

@@ -15,7 +15,7 @@ import pytest
 from playwright.sync_api import Browser
 
 from tests.e2e.dashboard_support import free_port
-from tests.e2e.postgres_cluster import wait_until
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")} | {"PROXIMA_HOME": str(home)}
     log = (home / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--no-inference", "--port", str(port)],
+        [sys.executable, "-m", "proxima.cli", "serve", "--no-worker", "--no-inference", "--port", str(port)],
         cwd=REPO,
         env=env,
         stdout=log,

@@ -80,8 +80,8 @@ def answer(client: OpenAI, model: str, content: str | list[dict[str, str]]) -> t
 
 def accuracy(client: OpenAI, model: str, validation: Path) -> float:
     """The job's grader's mean reward over the validation prompts, answered at temperature 0 through the API."""
-    from trainer.grading import graders
     from trainer.loops.evaluate import grade_batch
+    from trainer.spec import graders
     from trainer.spec.data import load_prompts
 
     grader = graders.parse_grader(GRADER)
@@ -210,7 +210,7 @@ def test_serve_starts_no_inference_server_when_told_or_pointed_at_one(
     try:
         with server.log_path.open("wb") as log:
             server.proc = subprocess.Popen(
-                [sys.executable, "-m", "api.cli", "serve", *args],
+                [sys.executable, "-m", "proxima.cli", "serve", *args],
                 env=server.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

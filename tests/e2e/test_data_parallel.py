@@ -24,12 +24,12 @@ from tests.e2e.conftest import Service, grpo_spec
 from tests.e2e.test_agent_loop import agent_spec
 from tests.e2e.test_rl_loop import make_spec
 from tests.e2e.test_worker_faults import messages, start_worker
+from tests.waiting import wait_until
 from trainer.agents import calculator_server
 from trainer.builtin_models import tiny_calc
 from trainer.grading.remote_graders import RemoteConfig
 from trainer.spec import metrics as M
 from worker import messages as msg
-from worker.launch import MONITOR_INTERVAL_S
 from worker.runner import REMOTE_GRADERS_ENV
 from worker.trainer_process import Ended, TrainerProcess
 
@@ -276,6 +276,13 @@ def rank_pid(where: Path, rank: int) -> int | None:
     return None
 
 
+def signal_pending(pid: int, sig: signal.Signals) -> bool:
+    """``sig`` was sent to process ``pid`` and is not delivered yet (as to a stopped process)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    pending = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (sig - 1) & 1 for mask in pending)
+
+
 def test_a_killed_rank_ends_the_attempt_as_a_killed_trainer_and_the_job_resumes_on_another_number_of_ranks(
     random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
 ) -> None:
@@ -296,7 +303,8 @@ def test_a_killed_rank_ends_the_attempt_as_a_killed_trainer_and_the_job_resumes_
         # launcher sees rank 1 dead first and ends rank 0 with its SIGTERM, which it counts as a failure too.
         os.kill(other, signal.SIGSTOP)
         os.kill(pid, signal.SIGKILL)
-        time.sleep(3 * MONITOR_INTERVAL_S + 1)
+        # The launcher has seen rank 1 dead once it has sent rank 0 its SIGTERM (pending while rank 0 is stopped).
+        wait_until(lambda: signal_pending(other, signal.SIGTERM), "the launcher to end rank 0", timeout=60)
         os.kill(other, signal.SIGCONT)
         with pytest.raises(Ended):
             while time.monotonic() < deadline:
@@ -336,7 +344,16 @@ def test_a_two_device_job_waits_for_a_worker_with_two_and_survives_a_killed_rank
     svc.celery.send_task(RUN_JOB, args=[job_id], queue=queue_for(2))
     log = svc.root / "worker-one-device.log"
     svc.wait_for("the one-device worker", lambda: "takes jobs from ['celery']" in log.read_text(errors="replace"))
-    time.sleep(5)  # it is up, consuming its queue, and leaves the job alone
+
+    def takes_a_job_from_its_queue() -> None:
+        probe = svc.create_job(grpo_spec(str(random_model_dir), steps=2), arithmetic_data, status="cancelled")
+        svc.send(probe)  # a one-device job's queue; cancelled, so the worker skips it
+        svc.wait_for("the one-device worker's next job", lambda: f"job {probe} not claimable" in log.read_text())
+
+    # Two, one after the other: a worker runs its tasks in the order it got them, so by the second it has run what
+    # it took with the first (its queues' messages then, the two-device job's among them were it reading that queue).
+    takes_a_job_from_its_queue()
+    takes_a_job_from_its_queue()
     assert svc.job(job_id).status == "queued" and svc.job(job_id).lease_owner is None
 
     start_worker(svc, "two-devices", env={"PROXIMA_WORKER_DEVICES": "2"})

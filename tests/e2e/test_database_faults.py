@@ -23,8 +23,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.postgres_cluster import PostgresCluster, postgres_cluster, wait_until
+from tests.e2e.postgres_cluster import PostgresCluster, postgres_cluster
 from tests.redis_dbs import claim_redis_url, release_redis_url
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 # libpq's own parameters: connect 2 s, statements 2 s, the socket 3 s (more than a statement may take).
@@ -73,7 +74,7 @@ def api(cluster: PostgresCluster, tmp_path_factory: pytest.TempPathFactory) -> I
     }
     log = (root / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--no-inference", "--port", str(port)],
+        [sys.executable, "-m", "proxima.cli", "serve", "--no-worker", "--no-inference", "--port", str(port)],
         cwd=REPO,
         env=env,
         stdout=log,

@@ -68,7 +68,7 @@ def test_an_all_defaults_grpo_job_on_tiny_arith_fits_trains_and_shows_its_estima
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROXIMA_")}
         env |= {"PROXIMA_API_BASE": server.base, "PROXIMA_API_KEY": key}
         follow = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "jobs", "follow", job["id"]],
+            [sys.executable, "-m", "proxima.cli", "jobs", "follow", job["id"]],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

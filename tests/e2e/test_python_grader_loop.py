@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_rl_loop import make_spec, read_metrics
-from trainer.grading.graders import GraderFailed
 from trainer.grading.sandbox import sandbox_available
 from trainer.loops import evaluate
 from trainer.spec import metrics as M
 from trainer.spec.callbacks import JsonlFiles
 from trainer.spec.config import parse_spec
+from trainer.spec.graders import GraderFailed
 from trainer.train import train
 
 # The item is the dataset row: the grader reads its answer and the sample's text, as OpenAI's guide shows.

@@ -15,8 +15,8 @@ import pytest
 from api.status import JobStatus
 from tests.e2e.conftest import Service, grpo_spec
 from tests.remote_grader_servers import serve_remote_graders
-from trainer.grading import graders
 from trainer.grading.sandbox import sandbox_available
+from trainer.spec import graders
 from trainer.spec import metrics as M
 from worker.runner import REMOTE_GRADERS_ENV
 

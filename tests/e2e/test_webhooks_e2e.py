@@ -123,14 +123,21 @@ class TenantClient:
     http: httpx.Client
 
 
-@pytest.fixture
-def tenant(deployment: Deployment) -> Iterator[TenantClient]:
-    """A tenant of its own per test (its endpoints get only its jobs' events), with a key for the API."""
+@contextmanager
+def new_tenant(deployment: Deployment) -> Iterator[TenantClient]:
+    """A tenant of its own (its endpoints get only its jobs' events), with a key for the API."""
     with session_scope(deployment.service.url) as s:
         row, key = create_key(s, tenant_name=f"hooks-{time.time_ns()}")
         tenant_id = row.id
     with httpx.Client(base_url=deployment.api_url, headers={"authorization": f"Bearer {key}"}, timeout=30) as c:
         yield TenantClient(tenant_id, OpenAI(api_key=key, base_url=f"{deployment.api_url}/v1", max_retries=0), c)
+
+
+@pytest.fixture
+def tenant(deployment: Deployment) -> Iterator[TenantClient]:
+    """A tenant of its own per test."""
+    with new_tenant(deployment) as t:
+        yield t
 
 
 def run_job(deployment: Deployment, tenant: TenantClient, data: Path, model: Path, **hp: Any) -> str:
@@ -147,6 +154,26 @@ def deliveries(tenant: TenantClient, endpoint_id: str) -> list[dict[str, Any]]:
     return list(reversed(r.json()["data"]))  # oldest first
 
 
+def a_later_event_delivered(deployment: Deployment, data: Path, model: Path) -> None:
+    """Wait until an event made now, another tenant's, is delivered. The delivery loop has then had a round after
+    every delivery so far, and a round POSTs its deliveries oldest first: a delivery left due (sent twice, say) would
+    have been POSTed again by then."""
+    svc = deployment.service
+    with new_tenant(deployment) as probe:
+        port = free_port()
+        endpoint = probe.openai.webhooks.create(
+            name="probe", url=f"http://127.0.0.1:{port}/", event_types=["fine_tuning.job.cancelled"]
+        )
+        with receiving(port, endpoint.signing_secret, [200]) as receiver:
+            owner, svc.tenant = svc.tenant, probe.tenant_id
+            try:
+                job_id = svc.create_job(grpo_spec(str(model), steps=2), data)  # never sent: cancelled at once
+            finally:
+                svc.tenant = owner
+            assert probe.openai.fine_tuning.jobs.cancel(job_id).status == "cancelled"
+            svc.wait_for("a later event's delivery", lambda: receiver.verified, timeout=30)
+
+
 def test_a_job_that_succeeds_is_delivered_once_verified_by_the_official_client(
     deployment: Deployment, tenant: TenantClient, random_model_dir: Path, arithmetic_data: Path
 ) -> None:
@@ -159,7 +186,7 @@ def test_a_job_that_succeeds_is_delivered_once_verified_by_the_official_client(
         job = deployment.service.wait_status(job_id, "succeeded", "failed", timeout=180)
         assert job.status == "succeeded", job.error
         deployment.service.wait_for("the webhook", lambda: receiver.verified, timeout=30)
-        time.sleep(2)  # ten delivery rounds later: still one
+        a_later_event_delivered(deployment, arithmetic_data, random_model_dir)  # rounds later: still one
         [event] = receiver.verified
         assert receiver.requests == 1
     assert (event.type, event.object, event.data.id) == ("fine_tuning.job.succeeded", "event", job_id)
@@ -184,8 +211,9 @@ def test_a_job_cancelled_through_the_api_while_training_sends_cancelled(
         assert tenant.openai.fine_tuning.jobs.cancel(job_id).status == "running"  # asked; the worker stops it
         assert svc.wait_status(job_id, "cancelled", "failed", "succeeded", timeout=60).status == "cancelled"
         svc.wait_for("the webhook", lambda: receiver.verified, timeout=30)
-        time.sleep(1)
+        a_later_event_delivered(deployment, arithmetic_data, random_model_dir)
         assert [(e.type, e.data.id) for e in receiver.verified] == [("fine_tuning.job.cancelled", job_id)]
+    assert [(d["status"], d["status_code"]) for d in deliveries(tenant, endpoint.id)] == [("delivered", 200)]
 
 
 def test_a_receiver_down_then_failing_gets_the_event_when_it_comes_back_and_the_log_shows_each_failure(

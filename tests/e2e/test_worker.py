@@ -97,6 +97,18 @@ def test_a_job_sent_twice_runs_once_to_succeeded_with_metrics_checkpoints_and_re
     load_adapter(archive, random_model_dir, tmp_path / "adapter")
 
 
+def task_ended(service: Service, job_id: str) -> bool:
+    """The worker that claimed ``job_id`` has ended its task for it: nothing of that attempt writes any more. Celery
+    logs a task's end, and a worker runs one task at a time, so the first end it logs after the claim is that one's."""
+    for log in service.root.glob("worker-*.log"):
+        text = log.read_text(errors="replace")
+        claimed = text.find(f"job {job_id} claimed by")
+        if claimed >= 0 and "celery.app.trace: Task " in text[claimed:]:
+            return True
+    return False
+
+
+@pytest.mark.alone  # the cancel's latency is asserted (loosely: only a hang fails it)
 def test_cancel_while_running_stops_within_a_step_and_writes_nothing_after(
     service: Service, random_model_dir: Path, arithmetic_data: Path
 ) -> None:
@@ -119,7 +131,7 @@ def test_cancel_while_running_stops_within_a_step_and_writes_nothing_after(
     )  # at most the step in progress when the request arrived
     assert [c.step_number for c in service.checkpoints(job_id)] == [last]  # the final checkpoint
     assert events[-1].message == f"The job was cancelled at step {last}"
-    time.sleep(2)
+    service.wait_for("the worker's task to end", lambda: task_ended(service, job_id), timeout=30)
     assert max(service.metric_steps(job_id)) == last
 
 
@@ -260,7 +272,7 @@ def test_a_worker_that_loses_its_lease_kills_its_trainer_and_writes_nothing_more
 
     service.wait_for("the trainer to be killed", lambda: runner_pid(job_id) is None, timeout=15)
     steps = service.metric_steps(job_id)
-    time.sleep(1.5)
+    service.wait_for("the worker's task to end", lambda: task_ended(service, job_id), timeout=30)
     assert service.metric_steps(job_id) == steps
     job = service.job(job_id)
     assert (job.status, job.lease_owner, job.finished_at) == ("running", "thief", None)

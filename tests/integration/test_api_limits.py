@@ -83,7 +83,7 @@ def server(settings: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     }
     log = (root / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--no-worker", "--no-inference", "--port", str(port)],
+        [sys.executable, "-m", "proxima.cli", "serve", "--no-worker", "--no-inference", "--port", str(port)],
         cwd=REPO,
         env=env,
         stdout=log,

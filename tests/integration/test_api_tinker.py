@@ -5,6 +5,7 @@ worker's side is tests/e2e/test_tinker_sessions.py."""
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +17,9 @@ from tinker import types
 
 from api.notify import DONE_CHANNEL
 from tests.integration.conftest import Tenant, serve
-from tests.integration.test_notify import backends_listening, wait_until
+from tests.integration.sql_statements import page_queries, recorded, writes
+from tests.integration.test_notify import backends_listening
+from tests.waiting import wait_until
 
 POLL_S = 0.5
 
@@ -36,6 +39,10 @@ def raw(url: str, key: str) -> httpx.Client:
 
 def service_client(url: str, tenant: Tenant) -> tinker.ServiceClient:
     return tinker.ServiceClient(base_url=url, api_key=f"tml-{tenant.key}")
+
+
+def rest_client(url: str, tenant: Tenant) -> tinker.RestClient:
+    return tinker.RestClient(base_url=url, api_key=f"tml-{tenant.key}")
 
 
 def new_session(client: httpx.Client) -> str:
@@ -139,6 +146,7 @@ class TestFutures:
             assert r.status_code == 408 and r.json()["type"] == "try_again"
             assert time.monotonic() - start >= POLL_S * 0.9
 
+    @pytest.mark.alone  # the answer's latency is the evidence of the wake-up
     def test_a_held_poll_is_woken_by_the_workers_notification_not_by_its_fallback_poll(
         self, settings: Any, tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -159,6 +167,15 @@ class TestFutures:
             model_id = create_model(client, new_session(client)).json()["model_id"]
             future = client.post("/forward_backward", content=forward_backward_body(model_id, 1)).json()
             answer: dict[str, Any] = {}
+            read, read_only = threading.Event(), routes.read_only
+
+            async def reading(url: str, fn: Any, /, **kwargs: Any) -> Any:
+                row = await read_only(url, fn, **kwargs)
+                if kwargs.get("request_id") == future["request_id"]:
+                    read.set()
+                return row
+
+            monkeypatch.setattr(routes, "read_only", reading)
 
             def poll() -> None:
                 r = client.post("/retrieve_future", json={"request_id": future["request_id"]})
@@ -166,7 +183,7 @@ class TestFutures:
 
             poller = threading.Thread(target=poll)
             poller.start()
-            time.sleep(1.0)  # the poll has read the pending row and waits
+            wait_until(read.is_set, "the poll to read the pending row", timeout=10)  # it waits from then on
             assert poller.is_alive()
             with session_scope(settings.db_url) as s:
                 repo.finish_request(
@@ -260,3 +277,204 @@ class TestBadInput:
             r = client.post("/forward_backward", content=body)
         assert r.status_code == 200, r.text
         assert json.loads(r.text)["model_id"] == model_id
+
+
+# -- the SDK's REST side: listings page in SQL, GETs write nothing --------------------------------------------------
+
+
+def record_checkpoint(
+    settings: Any, tenant_id: str, run_id: str, kind: str, name: str, *, files: dict[str, bytes] | None = None
+) -> str:
+    """A checkpoint as the worker records one after saving it (``repo.record_checkpoint``), its files in the store;
+    its ``tinker://`` path."""
+    from api.db import session_scope
+    from api.repositories import tinker as repo
+    from api.storage import store_from_url
+
+    key = f"tinker/{tenant_id}/{run_id.replace(':', '-')}/{kind}/{name}"
+    store = store_from_url(settings.artifacts_url)
+    for filename, data in (files or {"adapter_model.safetensors": b"weights"}).items():
+        store.put_bytes(f"{key}/{filename}", data)
+    with session_scope(settings.db_url) as s:
+        repo.record_checkpoint(
+            s,
+            tenant_id=tenant_id,
+            session_id=run_id,
+            kind=kind,
+            name=name,
+            storage_key=key,
+            size_bytes=7,
+            optimizer_steps=1,
+            ttl_seconds=None,
+        )
+    return f"tinker://{run_id}/{kind}/{name}"
+
+
+def tenant_rows(settings: Any, tenant_id: str) -> list[tuple[Any, ...]]:
+    """Every row of the tenant's Tinker tables, column by column, in a fixed order."""
+    from sqlalchemy import select
+
+    from api.db import session_scope
+    from api.orm import Sampler, SessionCheckpoint, SessionRequest, TinkerClientSession, TrainingSession
+
+    out: list[tuple[Any, ...]] = []
+    with session_scope(settings.db_url) as s:
+        for table in (TinkerClientSession, TrainingSession, Sampler, SessionCheckpoint, SessionRequest):
+            columns = list(table.__table__.columns)
+            stmt = select(*columns).where(table.tenant_id == tenant_id).order_by(*table.__table__.primary_key)
+            out += [(table.__tablename__, *row) for row in s.execute(stmt).all()]
+    return out
+
+
+@pytest.fixture
+def fresh_tenant(settings: Any) -> Tenant:
+    """A tenant of its own, so that what other tests made cannot change what is listed."""
+    from tests.integration.conftest import make_tenant
+
+    return make_tenant(settings, f"tinker-rest-{secrets.token_hex(4)}")
+
+
+def training_runs(client: httpx.Client, session_id: str, n: int) -> list[str]:
+    return [create_model(client, session_id, seq=i).json()["model_id"] for i in range(n)]
+
+
+class TestTrainingRunsList:
+    def test_pages_by_offset_with_each_runs_latest_checkpoints_and_the_total(
+        self, tinker_url: str, settings: Any, fresh_tenant: Tenant
+    ) -> None:
+        with raw(tinker_url, fresh_tenant.key) as client:
+            runs = training_runs(client, new_session(client), 5)
+        for run in runs:
+            for kind, name in (("weights", "a"), ("sampler_weights", "s"), ("weights", "b")):
+                record_checkpoint(settings, fresh_tenant.id, run, kind, name)
+        rest = rest_client(tinker_url, fresh_tenant)
+        everything = rest.list_training_runs(limit=100).result()
+        assert sorted(r.training_run_id for r in everything.training_runs) == sorted(runs)
+        assert (everything.cursor.offset, everything.cursor.limit, everything.cursor.total_count) == (0, 100, 5)
+        pages = [rest.list_training_runs(limit=2, offset=offset).result() for offset in (0, 2, 4)]
+        assert [r.training_run_id for p in pages for r in p.training_runs] == [
+            r.training_run_id for r in everything.training_runs
+        ]
+        assert [p.cursor.total_count for p in pages] == [5, 5, 5]
+        for listed in everything.training_runs:
+            assert listed.last_checkpoint is not None and listed.last_sampler_checkpoint is not None
+            assert listed.last_checkpoint.tinker_path == f"tinker://{listed.training_run_id}/weights/b"
+            assert listed.last_sampler_checkpoint.checkpoint_id == "sampler_weights/s"
+            assert listed.lora_rank == 8 and listed.model_owner == fresh_tenant.id
+        one = rest.get_training_run(runs[0]).result()
+        assert one.last_checkpoint is not None and one.last_checkpoint.checkpoint_id == "weights/b"
+
+    def test_a_page_costs_the_same_few_queries_whatever_its_size(
+        self, tinker_url: str, settings: Any, fresh_tenant: Tenant
+    ) -> None:
+        with raw(tinker_url, fresh_tenant.key) as client:
+            for run in training_runs(client, new_session(client), 6):
+                record_checkpoint(settings, fresh_tenant.id, run, "weights", "a")
+                record_checkpoint(settings, fresh_tenant.id, run, "sampler_weights", "s")
+            small = page_queries(settings.db_url, client, "/training_runs", limit=1)
+            large = page_queries(settings.db_url, client, "/training_runs", limit=6)
+        assert small == large <= 4  # the page, the total, the latest checkpoints (and the key, when not cached)
+
+
+class TestCheckpointsList:
+    def test_lists_the_tenants_checkpoints_newest_first_by_offset_in_a_fixed_number_of_queries(
+        self, tinker_url: str, settings: Any, fresh_tenant: Tenant
+    ) -> None:
+        with raw(tinker_url, fresh_tenant.key) as client:
+            runs = training_runs(client, new_session(client), 2)
+            made = [
+                record_checkpoint(settings, fresh_tenant.id, run, "weights", f"c{i}") for i in range(3) for run in runs
+            ]
+            small = page_queries(settings.db_url, client, "/checkpoints", limit=1)
+            large = page_queries(settings.db_url, client, "/checkpoints", limit=6)
+        assert small == large <= 2
+        rest = rest_client(tinker_url, fresh_tenant)
+        pages = [rest.list_user_checkpoints(limit=4, offset=offset).result() for offset in (0, 4)]
+        assert [c.tinker_path for p in pages for c in p.checkpoints] == made[::-1]
+        assert [c.tinker_path for c in rest.list_checkpoints(runs[0]).result().checkpoints] == made[0::2]
+
+
+class TestClientSessions:
+    def test_a_session_names_its_training_runs_and_samplers_and_the_list_names_the_sessions(
+        self, tinker_url: str, fresh_tenant: Tenant
+    ) -> None:
+        with raw(tinker_url, fresh_tenant.key) as client:
+            sid = new_session(client)
+            runs = training_runs(client, sid, 2)
+            body = {"session_id": sid, "sampling_session_seq_id": 0, "base_model": "tiny-arith"}
+            sampler = client.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+            assert client.get("/sessions").json() == {"sessions": [sid]}
+        rest = rest_client(tinker_url, fresh_tenant)
+        info = rest.get_session(sid).result()
+        assert (sorted(info.training_run_ids), info.sampler_ids) == (sorted(runs), [sampler])
+        assert rest.get_sampler(sampler).result().base_model == "tiny-arith"
+
+
+class TestGetsWriteNothing:
+    def test_every_get_leaves_the_rows_as_they_were_and_sends_no_write(
+        self, tinker_url: str, settings: Any, fresh_tenant: Tenant
+    ) -> None:
+        with raw(tinker_url, fresh_tenant.key) as client:
+            sid = new_session(client)
+            [run] = training_runs(client, sid, 1)
+            body = {"session_id": sid, "sampling_session_seq_id": 0, "base_model": "tiny-arith"}
+            sampler = client.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+            record_checkpoint(settings, fresh_tenant.id, run, "weights", "w")
+            files = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"\x00" * 64}
+            record_checkpoint(settings, fresh_tenant.id, run, "external_weights", "export", files=files)
+            before = tenant_rows(settings, fresh_tenant.id)
+            gets = [
+                "/training_runs",
+                f"/training_runs/{run}",
+                f"/training_runs/{run}/checkpoints",
+                "/checkpoints",
+                "/sessions",
+                f"/sessions/{sid}",
+                f"/samplers/{sampler}",
+                f"/training_runs/{run}/checkpoints/external_weights/export/external_weights_urls",
+            ]
+            with recorded(settings.db_url) as seen:
+                answers = [client.get(path) for path in gets]
+                again = client.get(gets[-1])
+                downloads = {name: httpx.get(url).content for name, url in again.json()["urls"].items()}
+        assert [r.status_code for r in answers] == [200] * len(gets)
+        # The SDK clients of other tests keep heartbeating their own sessions meanwhile: those are POSTs.
+        assert [w for w in writes(seen) if "last_heartbeat_at" not in w] == []
+        assert tenant_rows(settings, fresh_tenant.id) == before
+        assert answers[-1].json() == again.json()  # the same links, made with the export
+        assert downloads == files
+
+    def test_an_export_is_downloadable_from_its_links_until_it_expires(
+        self, tinker_url: str, settings: Any, fresh_tenant: Tenant, db: Any
+    ) -> None:
+        from api.orm import SessionCheckpoint
+
+        with raw(tinker_url, fresh_tenant.key) as client:
+            [run] = training_runs(client, new_session(client), 1)
+            path = record_checkpoint(settings, fresh_tenant.id, run, "external_weights", "export")
+        urls = rest_client(tinker_url, fresh_tenant).get_external_weights_urls(path)
+        [url] = urls.result().urls.values()
+        assert httpx.get(url).content == b"weights"
+        assert httpx.get(url.rsplit("/", 1)[0] + "/.hidden").status_code == 404
+        with db() as s:
+            s.query(SessionCheckpoint).filter_by(session_id=run).update({"expires_at": int(time.time()) - 1})
+        assert httpx.get(url).status_code == 404
+
+
+class TestCheckpointEdits:
+    def test_a_checkpoint_gets_a_ttl_and_is_deleted_with_its_bytes(
+        self, tinker_url: str, settings: Any, fresh_tenant: Tenant, artifact_store: Any
+    ) -> None:
+        with raw(tinker_url, fresh_tenant.key) as client:
+            [run] = training_runs(client, new_session(client), 1)
+            path = record_checkpoint(settings, fresh_tenant.id, run, "weights", "w")
+            r = client.put(f"/training_runs/{run}/checkpoints/weights/w/ttl", json={"ttl_seconds": 3600})
+            assert (r.status_code, r.json()) == (200, {})
+            [listed] = client.get(f"/training_runs/{run}/checkpoints").json()["checkpoints"]
+            assert listed["expires_at"] is not None
+            r = client.delete(f"/training_runs/{run}/checkpoints/weights/w")
+            assert (r.status_code, r.json()) == (200, {})
+            assert client.delete(f"/training_runs/{run}/checkpoints/weights/w").status_code == 404
+            assert client.put(f"/training_runs/{run}/checkpoints/weights/w/ttl", json={}).status_code == 404
+        prefix = path.removeprefix("tinker://").replace(":", "-").split("/")[0]
+        assert artifact_store.list(f"tinker/{fresh_tenant.id}/{prefix}") == []

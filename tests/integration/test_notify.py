@@ -5,8 +5,8 @@ reconnects and hears the next one."""
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Iterator
 
 import psycopg2  # type: ignore[import-untyped]
 import pytest
@@ -14,6 +14,7 @@ from sqlalchemy.engine import make_url
 
 from api import notify
 from api.db import session_scope
+from tests.waiting import wait_until
 
 CHANNEL = "proxima_test_channel"
 
@@ -38,11 +39,17 @@ def backends_listening(pg_url: str, channel: str = CHANNEL) -> list[int]:
         return [row[0] for row in cur.fetchall()]
 
 
-def wait_until(check: Callable[[], object], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+def heard_later(pg_url: str, listener: notify.Listener) -> None:
+    """Notify a payload of its own, committed now, and wait until the listener calls its callback: the listener has
+    then dispatched every notification committed before it (PostgreSQL delivers them in commit order)."""
+    heard, payload = threading.Event(), f"probe-{uuid.uuid4().hex}"
+    listener.add(payload, heard.set)
+    try:
+        with session_scope(pg_url) as s:
+            notify.notify(s, CHANNEL, payload)
+        assert heard.wait(10), "the listener did not hear a later notification"
+    finally:
+        listener.discard(payload, heard.set)
 
 
 def wait_until_listening(pg_url: str) -> None:
@@ -56,7 +63,8 @@ def test_a_notification_arrives_at_commit_for_its_own_payload_only(pg_url: str, 
     with session_scope(pg_url) as s:
         notify.notify(s, CHANNEL, "req-1")
         s.flush()
-        assert not mine.wait(0.5)  # not before the commit
+        heard_later(pg_url, listener)  # committed while this transaction is open: heard, and mine not yet
+        assert not mine.is_set()  # not before the commit
     assert mine.wait(5) and not other.is_set()
 
 
@@ -68,11 +76,13 @@ def test_a_rolled_back_notification_is_never_sent_and_a_discarded_callback_is_no
     with pytest.raises(RuntimeError), session_scope(pg_url) as s:
         notify.notify(s, CHANNEL, "req-3")
         raise RuntimeError("rolled back")
-    assert not woken.wait(1.0)
+    heard_later(pg_url, listener)
+    assert not woken.is_set()
     listener.discard("req-3", woken.set)
     with session_scope(pg_url) as s:
         notify.notify(s, CHANNEL, "req-3")
-    assert not woken.wait(1.0)
+    heard_later(pg_url, listener)
+    assert not woken.is_set()
 
 
 def test_a_listener_whose_connection_is_killed_reconnects(pg_url: str, listener: notify.Listener) -> None:
@@ -80,10 +90,7 @@ def test_a_listener_whose_connection_is_killed_reconnects(pg_url: str, listener:
     (pid,) = backends_listening(pg_url)
     with psycopg2.connect(host=u.host, port=u.port, user=u.username, dbname=u.database) as conn, conn.cursor() as cur:
         cur.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    deadline = time.monotonic() + 15
-    while backends_listening(pg_url) in ([], [pid]):
-        assert time.monotonic() < deadline, "the listener did not reconnect"
-        time.sleep(0.1)
+    wait_until(lambda: backends_listening(pg_url) not in ([], [pid]), "the listener to reconnect", timeout=15)
     woken = threading.Event()
     listener.add("req-4", woken.set)
     with session_scope(pg_url) as s:

@@ -1,9 +1,12 @@
-"""The import graph of trainer/, api/ and worker/: no cycle (function-level imports count) and no forbidden direction.
+"""The import graph of trainer/, api/, worker/ and proxima/: no cycle (function-level imports count) and every arrow in
+the allowed direction.
 
-- ``trainer`` is a library: it imports nothing from ``api`` or ``worker``.
-- The API never imports ``worker`` (it enqueues by task name). The one exception is the command line, ``api.cli``,
-  the composition root that starts a worker (``proxima worker``, ``proxima serve``); nothing the app imports reaches
-  it or ``worker``.
+- ``trainer`` is a library: it imports nothing from ``api``, ``worker`` or ``proxima``. Inside it the wings import
+  one way: spec ← grading ← algorithms ← generation ← agents ← loops ← serving ← builtin_models ← the top-level
+  modules (``trainer.cli``, ``trainer.train``); a wing imports only wings to its left.
+- The API imports only ``trainer.spec`` and ``trainer.grading`` (both torch-free) and never ``worker`` (it enqueues by
+  task name); the worker may import the API's core; ``proxima`` (the console script, the composition root that starts
+  the API, a worker and the inference server) sits above all of them and nothing imports it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("trainer", "api", "worker")
-CLI_MAY_IMPORT_WORKER = {"api.cli"}
+PACKAGES = ("trainer", "api", "worker", "proxima")
+# The trainer's wings, lowest first; "" is the package's top-level modules (trainer.cli, trainer.train).
+WINGS = ("spec", "grading", "algorithms", "generation", "agents", "loops", "serving", "builtin_models", "")
+API_MAY_IMPORT = ("trainer.spec", "trainer.grading")
 
 
 def _module_name(path: Path) -> str:
@@ -110,11 +115,57 @@ def test_the_trainer_imports_neither_the_api_nor_the_worker(module: str) -> None
     assert not bad, f"{module} imports {sorted(bad)}"
 
 
-def test_the_api_never_imports_the_worker_but_from_the_command_line() -> None:
-    graph = import_graph()
-    for module, deps in graph.items():
-        if module.startswith("api") and module not in CLI_MAY_IMPORT_WORKER:
-            assert not {d for d in deps if d.startswith("worker")}, module
-    app = reachable(graph, "api.app")
-    assert not {m for m in app if m.startswith("worker")}
-    assert not app & CLI_MAY_IMPORT_WORKER
+def wing(module: str) -> str:
+    """``trainer.loops.rl`` → ``loops``; a top-level module of the package (``trainer.cli``) → ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in WINGS else ""
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every ``a -> b`` between two trainer modules where b's wing is not to the left of a's (nor a's own)."""
+    rank = {w: i for i, w in enumerate(WINGS)}
+    return sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if m.startswith("trainer.")
+        for d in deps
+        if d.startswith("trainer.") and rank[wing(d)] > rank[wing(m)]
+    )
+
+
+def test_the_wing_check_finds_an_upward_import() -> None:
+    graph = {"trainer.spec.config": {"trainer.grading.graders"}, "trainer.loops.rl": {"trainer.spec.config"}}
+    assert upward_imports(graph) == ["trainer.spec.config -> trainer.grading.graders"]
+    assert upward_imports({"trainer.cli": {"trainer.loops.rl"}, "trainer.loops.rl": {"trainer.loops.steps"}}) == []
+    assert wing("trainer.cli") == "" and wing("trainer.builtin_models") == "builtin_models"
+
+
+def test_the_trainer_wings_import_only_the_wings_below_them() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_every_trainer_module_is_in_a_wing_or_at_the_top() -> None:
+    top = {m for m in import_graph() if m.startswith("trainer.") and wing(m) == ""}
+    assert top == {"trainer.cli", "trainer.train"}
+
+
+def test_the_api_imports_only_the_spec_and_grading_wings_and_nothing_of_the_worker() -> None:
+    bad = {
+        f"{module} -> {d}"
+        for module, deps in import_graph().items()
+        if module.split(".")[0] == "api"
+        for d in deps
+        if d.split(".")[0] in ("worker", "proxima") or (d.startswith("trainer.") and not d.startswith(API_MAY_IMPORT))
+    }
+    assert not bad, sorted(bad)
+
+
+def test_nothing_imports_the_console_package_and_the_worker_never_imports_it() -> None:
+    bad = {
+        f"{module} -> {d}"
+        for module, deps in import_graph().items()
+        if not module.startswith("proxima")
+        for d in deps
+        if d.startswith("proxima")
+    }
+    assert not bad, sorted(bad)

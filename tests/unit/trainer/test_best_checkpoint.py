@@ -11,10 +11,11 @@ import pytest
 
 from trainer.generation.distributed import World
 from trainer.generation.encoding import EncodedPair
-from trainer.grading import graders
+from trainer.grading.graders import grade
 from trainer.loops import checkpoint as ckpt
 from trainer.loops.preference import held_out
 from trainer.loops.steps import INITIAL_ADAPTER, BestCheckpoint, run_steps
+from trainer.spec import graders
 from trainer.spec import metrics as M
 from trainer.spec.callbacks import BaseCallback, Level
 from trainer.spec.config import SpecError, parse_spec
@@ -237,7 +238,7 @@ def test_the_readme_ensemble_formula_is_the_mean_less_half_the_standard_deviatio
         }
     )
     for scores in ((0.0, 0.0, 3.0), (1.0, 2.0, 4.5), (2.0, 2.0, 2.0)):
-        result = graders.grade(
+        result = grade(
             multi, output_text="x", item={}, model_scores=dict(zip(("rm1", "rm2", "rm3"), scores, strict=True))
         )
         mean = sum(scores) / 3

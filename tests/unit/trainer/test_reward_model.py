@@ -14,7 +14,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedTokenizer
 from trainer.generation.encoding import completion_batch, encode_completion
 from trainer.generation.models import add_lora, load_base_model, load_tokenizer
 from trainer.generation.rollout import Rollout
-from trainer.grading import graders
+from trainer.grading.graders import grade
 from trainer.loops.evaluate import grade_batch
 from trainer.loops.reward_model import (
     RewardModelInfo,
@@ -24,6 +24,7 @@ from trainer.loops.reward_model import (
     load_reward_model,
     sequence_scores,
 )
+from trainer.spec import graders
 from trainer.spec.config import LoraSpec, parse_spec
 from trainer.spec.data import PromptItem
 
@@ -189,8 +190,8 @@ def test_reward_model_grader_prompt_template_replaces_the_item_messages(reward_m
 def test_pure_grade_of_a_reward_model_grader_is_a_clear_grader_error() -> None:
     g = rm_grader(Path("runs/rm"))
     with pytest.raises(graders.GraderError, match="'rm': reward_model graders run a model over batches"):
-        graders.grade(g, output_text="5", item={"prompt": "q"})
-    assert graders.grade(g, output_text="5", item={}, model_scores={"rm": 1.5}).score == 1.5
+        grade(g, output_text="5", item={"prompt": "q"})
+    assert grade(g, output_text="5", item={}, model_scores={"rm": 1.5}).score == 1.5
 
 
 def test_reward_model_grader_parse_errors() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.waiting import wait_until
 from trainer.agents.tools import MAX_TOOL_BYTES, HttpToolExecutor, ToolResult
 from trainer.grading.remote_graders import RemoteConfig
 from trainer.spec.agent_spec import ToolSpec
@@ -367,7 +368,7 @@ class TestSizes:
         result = call_once(LOOPBACK, tool(server.url))
         assert result.error == "too_large" and f"larger than {MAX_TOOL_BYTES} bytes" in result.output
         assert result.seconds < 3.0
-        time.sleep(0.2)  # the server's last write has failed by now
+        wait_until(lambda: server.in_flight == 0, "the server's last write to fail", timeout=30)
         assert server.sent_bytes < 32 << 20  # socket buffers hold some; reading it all would have taken 256 MiB
         assert len(server.requests) == 1  # not retried
 
@@ -431,8 +432,7 @@ class TestLifecycle:
         executor = HttpToolExecutor(LOOPBACK.model_copy(update={"timeout_s": 30.0}))
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(executor.call, Call(), tool(server.url), item=ITEM, trace_id=TRACE)
-            while not server.requests:
-                time.sleep(0.01)
+            wait_until(lambda: server.requests, "the call to reach the server", timeout=10)
             start = time.monotonic()
             executor.close()
             result = pending.result(timeout=5)

@@ -354,6 +354,7 @@ def test_an_unreachable_tracker_is_one_warning_and_the_exports_go_on_without_it(
     assert exporter.failures == {("mlflow", "start"): 1}
 
 
+@pytest.mark.alone  # "never blocks" is timed: the calls return at once, the close within its timeout
 def test_a_stalled_tracker_never_blocks_the_worker_drops_beyond_its_queue_and_is_given_up_at_close(
     tmp_path: Path, silent_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
