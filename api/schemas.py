@@ -114,8 +114,8 @@ class FileDeleted(BaseModel):
 
 class JobCreate(_Request):
     """``POST /v1/fine_tuning/jobs``. ``method`` is validated by :func:`trainer.spec.config.parse_spec`, which names the
-    offending field. OpenAI's deprecated top-level ``hyperparameters`` move under the method; ``integrations`` are
-    checked by :mod:`api.services.integrations`, which names the offending field."""
+    offending field, and stored as its canonical JSON (``JobSpec.to_json``), ``integrations`` included
+    (``trainer.spec.integrations``). OpenAI's deprecated top-level ``hyperparameters`` move under the method."""
 
     model: str
     training_file: str
@@ -125,7 +125,7 @@ class JobCreate(_Request):
     metadata: dict[str, str] | None = None
     method: dict[str, Any] | None = Field(
         None,
-        description="`{type, <type>: {grader, hyperparameters, lora}}` (design §3). Every hyperparameter is "
+        description="`{type, <type>: {grader, hyperparameters, lora}}`. Every hyperparameter is "
         "optional, and every number finite and within its range, among others: batch_size 1 to "
         f"{config.MAX_BATCH}, group_size 1 to {config.MAX_GROUP} (batch_size × group_size at most "
         f"{config.MAX_ROLLOUT}), max_steps at most {config.MAX_STEPS} (and n_epochs over the data as many steps), "

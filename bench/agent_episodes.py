@@ -1,4 +1,4 @@
-"""Episodes per second of the agent pipeline (issue 15) on tiny-calc, with tool calls made concurrently against one at
+"""Episodes per second of the agent pipeline on tiny-calc, with tool calls made concurrently against one at
 a time, for tool latencies of 0, 50 and 500 ms.
 
 The real pipeline, in this process: tiny-calc (from the test model cache, or ``--model-dir``) loaded as the RL
@@ -68,8 +68,8 @@ from trainer.generation.rollout_engine import Generation, HFRolloutEngine, Rollo
 from trainer.grading.remote_graders import RemoteConfig
 from trainer.loops.engine import load_policy
 from trainer.spec.agent_spec import ToolSpec
-from trainer.spec.config import LoraSpec
 from trainer.spec.data import PromptItem
+from trainer.spec.lora import LoraSpec
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_LATENCY_MS = 500.0  # serial windows at this latency or more run --slow-serial-batches batches

@@ -62,7 +62,7 @@ def worker(model_dir: Path, prompts: Path, precision: str, gens: int, warmup: in
 
     from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
     from trainer.loops.engine import load_policy
-    from trainer.spec.config import LoraSpec
+    from trainer.spec.lora import LoraSpec
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = [json.loads(ln)["prompt"] for ln in prompts.read_text().splitlines() if ln.strip()]

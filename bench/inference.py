@@ -1,4 +1,4 @@
-"""Chat-completion latency and throughput of `proxima inference` (issue 14), base model versus a LoRA adapter, and
+"""Chat-completion latency and throughput of `proxima inference`, base model versus a LoRA adapter, and
 the time to first token with a cold and a warm adapter.
 
 The script starts `proxima inference` itself (tiny-arith from the test model cache, or ``--model-dir``), in a fresh
@@ -59,7 +59,7 @@ def make_adapter(model_dir: Path, out: Path) -> Path:
     import torch
 
     from trainer.generation.models import add_lora, load_base_model
-    from trainer.spec.config import LoraSpec
+    from trainer.spec.lora import LoraSpec
 
     model = add_lora(load_base_model(str(model_dir), torch.device("cpu")), LoraSpec(r=16, alpha=32.0), seed=0)
     g = torch.Generator().manual_seed(0)

@@ -58,7 +58,7 @@ def main() -> None:
     from trainer.generation.rollout import Rollout, completion_logprobs
     from trainer.loops.critic import Critic
     from trainer.loops.engine import load_policy
-    from trainer.spec.config import LoraSpec
+    from trainer.spec.lora import LoraSpec
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -25,7 +25,7 @@ def rank(model_dir: str, side: str) -> None:
 
     from trainer.generation import distributed
     from trainer.loops.engine import load_policy
-    from trainer.spec.config import LoraSpec
+    from trainer.spec.lora import LoraSpec
 
     world = distributed.from_environment()
     distributed.initialise(world)

@@ -17,7 +17,7 @@ from trainer.generation.models import autocast
 from trainer.generation.rollout import generate, left_pad
 from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
 from trainer.loops.engine import load_policy
-from trainer.spec.config import LoraSpec
+from trainer.spec.lora import LoraSpec
 
 
 def main(model: str, precision: str, out: Path) -> None:

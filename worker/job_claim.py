@@ -3,6 +3,7 @@ leaves on a job it holds. The heartbeat that renews the lease while the trainer 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -11,8 +12,12 @@ from api.db import session_scope
 from api.repositories import runs
 from api.settings import Settings
 from api.status import JobStatus
+from trainer.spec.config import JobSpec, SpecError
 from worker.errors import ErrorCode
 from worker.job_context import ClaimedJob
+from worker.outbox import retry_db
+
+log = logging.getLogger("proxima.worker")
 
 
 def claim(settings: Settings, job_id: str, worker_id: str) -> ClaimedJob | None:
@@ -26,17 +31,22 @@ def claim(settings: Settings, job_id: str, worker_id: str) -> ClaimedJob | None:
                 return None
         job = runs.get_job(s, job_id=job_id)
         assert job is not None
-        return ClaimedJob(
-            job_id=job.id,
-            tenant_id=job.tenant_id,
-            model=job.model,
-            suffix=job.suffix,
-            spec=dict(job.spec),
-            training_file=job.training_file,
-            validation_file=job.validation_file,
-            attempt=job.attempts,
-            claimed_at=at,
-        )
+        try:
+            return ClaimedJob(
+                job_id=job.id,
+                tenant_id=job.tenant_id,
+                model=job.model,
+                suffix=job.suffix,
+                spec=JobSpec.from_stored(job.spec),
+                training_file=job.training_file,
+                validation_file=job.validation_file,
+                attempt=job.attempts,
+                claimed_at=at,
+            )
+        except SpecError:  # parsed when the job was created: stored by an older version that no model here reads
+            log.exception("job %s: its stored spec does not parse", job_id)
+    retry_db(f"job {job_id}: record the worker error", worker_error_recorder(settings.db_url, job_id, worker_id))
+    return None
 
 
 def release(url: str, job_id: str, worker_id: str) -> None:

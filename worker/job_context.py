@@ -16,6 +16,7 @@ from api.repositories import runs
 from api.settings import Settings
 from api.storage import ArtifactStore
 from trainer.spec import metrics as M
+from trainer.spec.config import JobSpec
 from worker.estimate import Cadence, StepTime
 from worker.outbox import DatabaseUnavailable, Write, is_transient, retry_db
 
@@ -30,7 +31,7 @@ class ClaimedJob:
     tenant_id: str
     model: str
     suffix: str | None
-    spec: dict[str, Any]
+    spec: JobSpec  # as stored, parsed once by the claim
     training_file: str
     validation_file: str | None
     attempt: int
@@ -50,12 +51,12 @@ class Progress:
     metrics_at: dict[int, float] = field(default_factory=dict)  # when each step's metrics arrived (monotonic)
 
     def cadence(self, job: ClaimedJob) -> Cadence:
-        """The run's validation and checkpoint cadence, from its spec (the defaults are trainer.spec.config's)."""
-        hp = job.spec["method"][job.spec["method"]["type"]].get("hyperparameters", {})
+        """The run's validation and checkpoint cadence, from its spec."""
+        hp = job.spec.method.hyperparameters
         return Cadence(
             total_steps=self.total_steps or 0,
-            eval_interval=int(hp.get("eval_interval") or 0),
-            checkpoint_interval=int(hp.get("checkpoint_interval") or 10),
+            eval_interval=hp.eval_interval,
+            checkpoint_interval=hp.checkpoint_interval,
             validates=job.validation_file is not None,
         )
 

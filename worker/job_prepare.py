@@ -12,8 +12,6 @@ from pathlib import Path
 
 from api.db import session_scope
 from api.repositories import runs
-from api.services.integrations import trainer_spec
-from api.services.jobs import reward_model_refs
 from api.status import JobStatus
 from api.storage import NotFound
 from worker.errors import ErrorCode, JobError
@@ -36,33 +34,26 @@ class Restored:
 def prepare_run_folder(ctx: JobContext, job: ClaimedJob) -> Redactor:
     """The datasets, the models and the spec with local paths in the run folder; the redactor that turns those
     paths back into the names the user gave."""
-    spec = trainer_spec(job.spec)  # the integrations are this worker's (worker.trackers), not the trainer's
     data = ctx.data_dir
     data.mkdir()
-    local: dict[str, str] = {}
-    spec["training_file"] = _download_file(ctx, job.training_file, data / TRAINING_COPY)
-    local[spec["training_file"]] = job.training_file
-    if job.validation_file:
-        spec["validation_file"] = _download_file(ctx, job.validation_file, data / VALIDATION_COPY)
-        local[spec["validation_file"]] = job.validation_file
-    else:
-        spec.pop("validation_file", None)
     model_store = ctx.settings.model_store
-    model = str(spec.get("model") or job.model)
-    spec["model"] = resolve_model(model, model_store)
-    local[spec["model"]] = model
-    block = spec["method"][spec["method"]["type"]]
-    hp = block.get("hyperparameters", {})
-    if hp.get("value_model"):  # PPO's critic on a separate base model
-        value_model = str(hp["value_model"])
-        hp["value_model"] = resolve_model(value_model, model_store)
-        local[hp["value_model"]] = value_model
-    if isinstance(block.get("grader"), dict):
-        for _, leaf in reward_model_refs(block["grader"], "grader"):
-            reward_job = str(leaf["model"])
-            leaf["model"] = str(fetch_reward_model(ctx, reward_job))
-            local[leaf["model"]] = f"reward model {reward_job}"
-    (ctx.run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
+    training = _download_file(ctx, job.training_file, data / TRAINING_COPY)
+    model = resolve_model(job.spec.model, model_store)
+    local = {training: job.training_file, model: job.spec.model}
+    validation = None
+    if job.validation_file:
+        validation = _download_file(ctx, job.validation_file, data / VALIDATION_COPY)
+        local[validation] = job.validation_file
+    # the integrations are this worker's (worker.trackers), not the trainer's
+    paths = {"training_file": training, "validation_file": validation, "model": model}
+    spec = job.spec.for_trainer().model_copy(update=paths)
+    if (value_model := spec.value_model) is not None:  # PPO's critic on a separate base model
+        spec = spec.with_hyperparameters({"value_model": resolve_model(value_model, model_store)})
+        local[str(spec.value_model)] = value_model
+    folders = {ref: str(fetch_reward_model(ctx, ref)) for _, ref in spec.reward_models()}
+    local.update({folder: f"reward model {ref}" for ref, folder in folders.items()})
+    spec = spec.with_reward_models(folders)
+    (ctx.run_dir / "spec.json").write_text(json.dumps(spec.to_json(), indent=2))
     return Redactor(local)
 
 

@@ -132,8 +132,8 @@ class _Runner:
         self.progress = Progress()
         self.trackers = trackers.Exporter([], job_id=job.job_id)  # run() starts the job's integrations
         # A job that asks for devices runs as that many ranks under the launcher (worker.launch), even one.
-        resources = job.spec.get("resources")
-        self.ranks = int(resources.get("gpus", 1)) if isinstance(resources, dict) else None
+        resources = job.spec.resources
+        self.ranks = resources.gpus if resources is not None else None
 
     def run(self) -> str:
         """The attempt; the trackers are closed with its outcome (after it is recorded: a slow tracker does not delay

@@ -44,9 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from api.services.integrations import configured, of_spec
+from api.services.integrations import configured
 from api.settings import Settings
 from api.status import JobStatus
+from trainer.spec.config import JobSpec
+from trainer.spec.integrations import MlflowIntegration, WandbIntegration, block_of
 
 log = logging.getLogger("proxima.worker.trackers")
 
@@ -81,25 +83,23 @@ class RolloutTable:
 # -- what is exported ---------------------------------------------------------------------------------------------
 
 
-def job_config(*, job_id: str, model: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+def job_config(*, job_id: str, model: str, spec: JobSpec) -> dict[str, Any]:
     """A run's config: the job, its base model, method and files, and the method's hyperparameters, LoRA and grader
     as the job's spec holds them (every default resolved when the job was created)."""
-    method = spec.get("method") or {}
-    mtype = str(method.get("type", ""))
-    block = method.get(mtype) or {}
+    method = spec.method.to_json()[spec.method.type]
     config: dict[str, Any] = {
         "job_id": job_id,
         "model": model,
-        "method": mtype,
-        "training_file": spec.get("training_file"),
-        "validation_file": spec.get("validation_file"),
-        "seed": spec.get("seed"),
-        "suffix": spec.get("suffix"),
-        "hyperparameters": dict(block.get("hyperparameters") or {}),
-        "lora": dict(block.get("lora") or {}),
+        "method": spec.method.type,
+        "training_file": spec.training_file,
+        "validation_file": spec.validation_file,
+        "seed": spec.seed,
+        "suffix": spec.suffix,
+        "hyperparameters": method["hyperparameters"],
+        "lora": method["lora"],
     }
-    if block.get("grader") is not None:
-        config["grader"] = block["grader"]
+    if "grader" in method:
+        config["grader"] = method["grader"]
     return config
 
 
@@ -165,10 +165,8 @@ class Tracker(ABC):
 
     kind: ClassVar[str]
 
-    def __init__(
-        self, settings: Settings, *, job_id: str, model: str, block: Mapping[str, Any], config: dict[str, Any]
-    ) -> None:
-        """``block``: the integration's settings as stored (``{"project", ...}``); ``config``: :func:`job_config`."""
+    def __init__(self, settings: Settings, *, job_id: str, model: str, block: Any, config: dict[str, Any]) -> None:
+        """``block``: the integration's settings (``trainer.spec.integrations``); ``config``: :func:`job_config`."""
         self.settings, self.job_id, self.model, self.block, self.initial = settings, job_id, model, block, config
 
     @abstractmethod
@@ -206,11 +204,12 @@ class WandbTracker(Tracker):
 
     kind = "wandb"
 
+    block: WandbIntegration
     run: Any = None
 
     def tags(self) -> list[str]:
         defaults = ["proxima/finetune", f"proxima/{self.model}", f"proxima/{self.job_id}"]
-        return list(dict.fromkeys(t[:_WANDB_TAG_MAX] for t in (*defaults, *(self.block.get("tags") or []))))
+        return list(dict.fromkeys(t[:_WANDB_TAG_MAX] for t in (*defaults, *(self.block.tags or []))))
 
     def open(self) -> None:
         import wandb
@@ -235,9 +234,9 @@ class WandbTracker(Tracker):
         if s.wandb_base_url:
             settings.base_url = s.wandb_base_url
         self.run = wandb.init(
-            project=self.block["project"],
-            entity=self.block.get("entity"),
-            name=self.block.get("name") or self.job_id,
+            project=self.block.project,
+            entity=self.block.entity,
+            name=self.block.name or self.job_id,
             tags=self.tags(),
             id=self.job_id,
             resume="allow",
@@ -282,6 +281,7 @@ class MlflowTracker(Tracker):
 
     kind = "mlflow"
 
+    block: MlflowIntegration
     client: Any = None
     run_id = ""
 
@@ -294,7 +294,7 @@ class MlflowTracker(Tracker):
         if str(s.mlflow_tracking_uri).startswith("file:"):  # MLflow 3 asks for this to use its (maintained) file store
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = client = MlflowClient(tracking_uri=s.mlflow_tracking_uri)
-        experiment = self._experiment(self.block["experiment_name"])
+        experiment = self._experiment(self.block.experiment_name)
         found = client.search_runs(
             [experiment], filter_string=f"tags.`{MLFLOW_JOB_TAG}` = '{self.job_id}'", max_results=1
         )
@@ -302,8 +302,8 @@ class MlflowTracker(Tracker):
             self.run_id = found[0].info.run_id
             client.update_run(self.run_id, status="RUNNING")
         else:
-            tags = {**(self.block.get("tags") or {}), MLFLOW_JOB_TAG: self.job_id, "proxima.model": self.model}
-            run = client.create_run(experiment, run_name=self.block.get("run_name") or self.job_id, tags=tags)
+            tags = {**(self.block.tags or {}), MLFLOW_JOB_TAG: self.job_id, "proxima.model": self.model}
+            run = client.create_run(experiment, run_name=self.block.run_name or self.job_id, tags=tags)
             self.run_id = run.info.run_id
         self._params(self.initial)
         client.log_dict(self.run_id, self.initial, "config.json")
@@ -524,18 +524,18 @@ class Exporter:
         return text if len(text) <= _DETAIL_CHARS else text[: _DETAIL_CHARS - 1] + "…"
 
 
-def start(settings: Settings, *, job_id: str, model: str, spec: Mapping[str, Any]) -> Exporter:
+def start(settings: Settings, *, job_id: str, model: str, spec: JobSpec) -> Exporter:
     """The exporter of one attempt at a job: a tracker per integration of its spec that this deployment configures
     (one it no longer does is a warning), each opening its run in its own thread."""
     config = job_config(job_id=job_id, model=model, spec=spec)
     trackers: list[Tracker] = []
     skipped: list[str] = []
-    for item in of_spec(dict(spec)):
-        kind = item["type"]
-        if not configured(settings, kind):
-            skipped.append(kind)
+    for item in spec.integrations:
+        if not configured(settings, item.type):
+            skipped.append(item.type)
             continue
-        trackers.append(TRACKERS[kind](settings, job_id=job_id, model=model, block=item[kind], config=config))
+        block = block_of(item)
+        trackers.append(TRACKERS[item.type](settings, job_id=job_id, model=model, block=block, config=config))
     secrets = [s.get_secret_value() for s in (settings.wandb_api_key, settings.mlflow_tracking_token) if s is not None]
     exporter = Exporter(
         trackers,

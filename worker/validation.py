@@ -1,4 +1,4 @@
-"""The ``validating_files`` phase (design §1, §4): a worker validates a job's datasets before it is queued to train.
+"""The ``validating_files`` phase: a worker validates a job's datasets before it is queued to train.
 
 ``POST /v1/fine_tuning/jobs`` answers at once with ``validating_files`` after the cheap checks (the files exist,
 belong to the tenant and have the right purpose; the spec and grader parse), as OpenAI's API does: reading a whole
@@ -26,11 +26,10 @@ from api.db import session_scope
 from api.orm import Job
 from api.repositories import runs, sizing
 from api.services import model_limits
-from api.services.integrations import trainer_spec
 from api.settings import Settings
 from api.status import JobStatus
 from api.storage import ArtifactStore, NotFound
-from trainer.spec.config import JobSpec, SpecError, check_total_steps, parse_spec
+from trainer.spec.config import JobSpec, SpecError, check_total_steps
 from trainer.spec.data import DatasetError, load_preferences, load_prompts, load_supervised, offered_functions
 from worker.errors import ErrorCode, JobError
 from worker.lease import Heartbeat
@@ -64,7 +63,7 @@ def download_dataset(url: str, store: ArtifactStore, *, file_id: str, dest: Path
 
 
 def check_dataset(path: Path, spec: JobSpec) -> int:
-    """Validate every line against the method's format (design §4) and return the number of examples;
+    """Validate every line against the method's format (``trainer.spec.data``) and return the number of examples;
     :class:`DatasetError` names the first bad line: one that is not JSON or holds a value the service cannot take
     (``trainer.spec.json_values``), prompts without the fields the grader's templates name (RL), preference pairs
     (reward_model, dpo), or conversations ending with an assistant turn (supervised)."""
@@ -216,7 +215,7 @@ def _fitted(spec: JobSpec, changed: dict[str, int], context: int | None, note: s
 def _verdict(
     url: str,
     store: ArtifactStore,
-    spec_json: dict[str, Any],
+    spec: JobSpec,
     files: list[tuple[str, str, str]],
     *,
     created: dict[str, Any] | None = None,
@@ -224,7 +223,6 @@ def _verdict(
 ) -> tuple[JobError | None, FittedLengths | None]:
     """The first problem with the job's files, or None when every line of every file is valid; with
     ``model_store``, the lengths fitted to the data (:func:`fit_lengths`)."""
-    spec = parse_spec(spec_json)  # the API parsed it when the job was created
     datasets: list[tuple[str, str, str, Path]] = []
     with tempfile.TemporaryDirectory(prefix="proxima-validate-") as tmp:
         for which, param, file_id in files:
@@ -263,20 +261,21 @@ def validate_files(
             return "skipped"
         job = runs.get_job(s, job_id=job_id)
         assert job is not None
-        spec_json, files = trainer_spec(job.spec), _job_files(job)
+        stored, files = dict(job.spec), _job_files(job)
         created = sizing.creation_data(s, job_id=job_id)
     heartbeat = Heartbeat(settings, job_id, worker_id)  # a large file may take longer to read than one lease
     heartbeat.start()
     try:
         try:
-            problem, fitted = _verdict(url, store, spec_json, files, created=created, model_store=settings.model_store)
+            spec = JobSpec.from_stored(stored)  # the API parsed it when the job was created
+            problem, fitted = _verdict(url, store, spec, files, created=created, model_store=settings.model_store)
         except Exception:  # a bug, not the user's file: fail the job rather than retry it forever
             log.exception("job %s: worker error while validating its files", job_id)
             problem, fitted = JobError(ErrorCode.INTERNAL_ERROR, "internal worker error"), None
         error = None if problem is None else {"code": problem.code, "message": problem.message, "param": problem.param}
         with session_scope(url) as s:
-            if fitted is not None and not sizing.set_hyperparameters(
-                s, job_id=job_id, worker_id=worker_id, values=fitted.values
+            if fitted is not None and not sizing.set_spec(
+                s, job_id=job_id, worker_id=worker_id, spec=spec.with_hyperparameters(fitted.values).to_json()
             ):
                 return "skipped"
             if not runs.end_validation(s, job_id=job_id, worker_id=worker_id, error=error):

@@ -1,4 +1,4 @@
-"""SQL of a job's sizing (issue 14): the length hyperparameters the worker fits to the data in ``validating_files``,
+"""SQL of a job's sizing: the length hyperparameters the worker fits to the data in ``validating_files``,
 and the measured step times of past jobs that estimate a new one's duration.
 
 Functions take a session and never commit.
@@ -24,19 +24,9 @@ def creation_data(session: Session, *, job_id: str) -> dict[str, Any] | None:
     return dict(row) if isinstance(row, dict) else None
 
 
-def set_hyperparameters(session: Session, *, job_id: str, worker_id: str, values: dict[str, Any]) -> bool:
-    """Write ``values`` into the stored spec's ``method.<type>.hyperparameters``, only while this worker validates
+def set_spec(session: Session, *, job_id: str, worker_id: str, spec: dict[str, Any]) -> bool:
+    """Store the job's spec with its lengths fitted to the data (``JobSpec.to_json``), only while this worker validates
     the job's files (its lease, status ``validating_files``); False when nothing was written."""
-    job = session.scalar(
-        select(Job).where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.VALIDATING_FILES)
-    )
-    if job is None:
-        return False
-    spec = dict(job.spec)
-    method = dict(spec["method"])
-    block = dict(method[method["type"]])
-    block["hyperparameters"] = {**block.get("hyperparameters", {}), **values}
-    spec["method"] = {**method, method["type"]: block}
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.VALIDATING_FILES)

@@ -1,4 +1,4 @@
-"""``POST /v1/fine_tuning/estimates`` (issue 14, item 5): a job's length and duration before it is created.
+"""``POST /v1/fine_tuning/estimates``: a job's length and duration before it is created.
 
 The body is a job's; it is checked as job creation checks it (``jobs.validated_spec``: the spec, the model, the
 files, the lengths fitted to the model) and nothing is written. The steps are ``max_steps``, or ``n_epochs`` passes
@@ -17,8 +17,6 @@ counted: they depend on the validation file and the cadence, which past jobs do 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
-from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -29,20 +27,18 @@ from api.schemas import EstimateBasis, JobCreate, JobEstimate
 from api.services import jobs as jobs_service
 from api.settings import Settings
 from trainer.spec import metrics as M
-from trainer.spec.config import HYPERPARAMETERS, RL_METHODS, trained_examples
+from trainer.spec.config import RL_METHODS, Hyperparameters, JobSpec, RLHyperparameters, trained_examples
 
 VALIDATION_PREFIX = "val/"  # the validation series (trainer.spec.metrics.validation): a step that ran one is slower
 RL_STEP = "batch_size × samples_per_prompt × max_completion_tokens"
 STEP = "batch_size"
-DEFAULTS = {method: hp().model_dump() for method, hp in HYPERPARAMETERS.items()}
 
 
-def step_size(method: str, hp: Mapping[str, Any]) -> float:
+def step_size(hp: Hyperparameters) -> float:
     """The size of one training step the measured times scale with (see the module's docstring)."""
-    if method in RL_METHODS:
-        samples = max(1, round(hp["group_size"] * hp.get("compute_multiplier", 1.0)))
-        return float(hp["batch_size"] * samples * hp["max_completion_tokens"])
-    return float(hp["batch_size"])
+    if isinstance(hp, RLHyperparameters):
+        return float(hp.batch_size * hp.samples_per_prompt * hp.max_completion_tokens)
+    return float(hp.batch_size)
 
 
 def training_step_seconds(steps: list[dict[str, float | None]]) -> list[float]:
@@ -58,15 +54,15 @@ def seconds_per_unit(jobs: list[sizing.MeasuredJob], method: str) -> tuple[float
     steps = 0
     for job in jobs:
         times = training_step_seconds(job.steps)
-        hp = job.spec["method"][job.spec["method"]["type"]].get("hyperparameters", {})
-        if times:  # a value the stored spec lacks (an older job's) is the method's default
-            rates.append(statistics.median(times) / step_size(method, {**DEFAULTS[method], **hp}))
+        if times:  # a value the stored spec lacks (an older job's) is the method's default, as parsing gives it
+            hp = JobSpec.from_stored(job.spec).method.hyperparameters
+            rates.append(statistics.median(times) / step_size(hp))
             steps += len(times)
     return (statistics.median(rates) if rates else None), len(rates), steps
 
 
 def estimate(*, session: Session, settings: Settings, tenant: Caller, body: JobCreate) -> JobEstimate:
-    spec, spec_json, _ = jobs_service.validated_spec(session=session, settings=settings, tenant=tenant, body=body)
+    spec, _ = jobs_service.validated_spec(session=session, settings=settings, tenant=tenant, body=body)
     method = spec.method.type
     hp = spec.method.hyperparameters
     if hp.max_steps is not None:
@@ -75,7 +71,6 @@ def estimate(*, session: Session, settings: Settings, tenant: Caller, body: JobC
         row = files_repo.get(session, tenant_id=tenant.id, file_id=spec.training_file)
         assert row is not None  # validated_spec checked it
         total, source = hp.total_steps(trained_examples(spec, row.lines)), "training_file"
-    hyperparameters = spec_json["method"][method]["hyperparameters"]
     rate, n_jobs, n_steps = seconds_per_unit(sizing.measured_jobs(session, model=spec.model, method=method), method)
     scaled_by = RL_STEP if method in RL_METHODS else STEP
     if rate is None:
@@ -84,7 +79,7 @@ def estimate(*, session: Session, settings: Settings, tenant: Caller, body: JobC
         per_step, duration = None, None
     else:
         basis = EstimateBasis(jobs=n_jobs, steps=n_steps, scaled_by=scaled_by)
-        per_step = rate * step_size(method, hyperparameters)
+        per_step = rate * step_size(hp)
         duration = round(per_step * total)
     return JobEstimate(
         model=spec.model,
@@ -94,5 +89,5 @@ def estimate(*, session: Session, settings: Settings, tenant: Caller, body: JobC
         seconds_per_step=per_step,
         estimated_duration_seconds=duration,
         basis=basis,
-        hyperparameters=hyperparameters,
+        hyperparameters=hp.model_dump(mode="json"),
     )

@@ -102,9 +102,9 @@ def _commit_and_enqueue(*, session: Session, settings: Settings, job: Job) -> No
 
 def _spec_input(body: JobCreate) -> dict[str, Any]:
     """The body as ``parse_spec`` takes it: OpenAI's deprecated top-level ``hyperparameters`` moved under the
-    method, a random seed when none is given (as OpenAI does); ``integrations`` are not the trainer's (``create``)."""
+    method, a random seed when none is given (as OpenAI does)."""
     raw: dict[str, Any] = {"model": body.model, "training_file": body.training_file}
-    for name in ("validation_file", "suffix", "metadata", "method", "resources"):
+    for name in ("validation_file", "suffix", "metadata", "method", "resources", "integrations"):
         if (value := getattr(body, name)) is not None:
             raw[name] = value
     raw["seed"] = body.seed if body.seed is not None else secrets.randbelow(2**31)
@@ -139,28 +139,11 @@ def _check_dataset_file(session: Session, *, tenant: Caller, file_id: str, param
         )
 
 
-def reward_model_refs(grader: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
-    """(param path, grader object) of every reward_model leaf of a grader in its JSON form."""
-    if grader.get("type") == "reward_model":
-        return [(path, grader)]
-    if grader.get("type") != "multi":
-        return []
-    out: list[tuple[str, dict[str, Any]]] = []
-    for name, child in (grader.get("graders") or {}).items():
-        out.extend(reward_model_refs(child, f"{path}.graders.{name}"))
-    return out
-
-
-def _resolve_reward_models(session: Session, *, tenant: Caller, spec_json: dict[str, Any]) -> None:
+def _resolve_reward_models(session: Session, *, tenant: Caller, spec: JobSpec) -> JobSpec:
     """A reward_model grader names a succeeded ``reward_model`` job of the same tenant, by its id or its
     fine-tuned model name; the stored spec names it by job id, which the worker turns into a local folder."""
-    mtype = spec_json["method"]["type"]
-    grader = spec_json["method"][mtype].get("grader")
-    if not isinstance(grader, dict):
-        return
-    for path, leaf in reward_model_refs(grader, f"method.{mtype}.grader"):
-        ref = str(leaf.get("model", ""))
-        param = f"{path}.model"
+    job_ids: dict[str, str] = {}
+    for param, ref in spec.reward_models():
         job = (
             jobs_repo.get(session, tenant_id=tenant.id, job_id=ref)
             if ref.startswith("ftjob-")
@@ -172,7 +155,7 @@ def _resolve_reward_models(session: Session, *, tenant: Caller, spec_json: dict[
                 param=param,
                 code="invalid_reward_model",
             )
-        method = (job.spec or {}).get("method", {}).get("type")
+        method = JobSpec.from_stored(job.spec).method.type
         if method != "reward_model":
             raise InvalidRequest(
                 f"job {job.id} is a {method} job, not a reward_model job", param=param, code="invalid_reward_model"
@@ -183,24 +166,23 @@ def _resolve_reward_models(session: Session, *, tenant: Caller, spec_json: dict[
                 param=param,
                 code="invalid_reward_model",
             )
-        leaf["model"] = job.id
+        job_ids[ref] = job.id
+    return spec.with_reward_models(job_ids)
 
 
-def _fit_lengths(
-    spec: JobSpec, spec_json: dict[str, Any], *, settings: Settings, body: JobCreate
-) -> dict[str, Any] | None:
+def _fit_lengths(spec: JobSpec, *, settings: Settings, body: JobCreate) -> tuple[JobSpec, dict[str, Any] | None]:
     """Resolve the method's token lengths against the model's context (``api.services.model_limits``): a length the
-    user gave that cannot fit is a 400 naming it; those left at their default are clamped in ``spec_json``. Returns
-    the creation event's data recording them (the worker fits them to the longest prompt), None when the method has
-    no length left at its default."""
+    user gave that cannot fit is a 400 naming it; those left at their default are clamped. Returns the spec with
+    them and the creation event's data recording them (the worker fits them to the longest prompt), None when the
+    method has no length left at its default."""
     mtype = spec.method.type
     hp = spec.method.hyperparameters
     fields = model_limits.length_fields(mtype)
     explicit = hp.model_fields_set & set(fields)
     defaults = {f: int(getattr(hp, f)) for f in fields if f not in explicit}
     contexts = [model_limits.context_length(spec.model, settings.model_store)]
-    if (value_model := getattr(hp, "value_model", None)) is not None:  # PPO's critic reads the same sequences
-        contexts.append(model_limits.context_length(value_model, settings.model_store))
+    if spec.value_model is not None:  # PPO's critic reads the same sequences
+        contexts.append(model_limits.context_length(spec.value_model, settings.model_store))
     known = [c for c in contexts if c is not None]
     context = min(known) if known else None
     if context is not None:
@@ -208,27 +190,29 @@ def _fit_lengths(
         where = f"method.{key if isinstance(key, str) else mtype}.hyperparameters"
         try:
             resolved = model_limits.fit_spec(mtype, hp.model_dump(), explicit=explicit, context=context)
+            spec = spec.with_hyperparameters(resolved)
         except model_limits.LengthError as err:
             raise InvalidRequest(
                 f"{err.message} ({spec.model})", param=f"{where}.{err.field}", code="context_length_exceeded"
             ) from None
-        spec_json["method"][mtype]["hyperparameters"].update(resolved)
+        except SpecError as err:
+            raise InvalidRequest(str(err), param=err.param, code="invalid_spec") from None
         defaults.update({f: v for f, v in resolved.items() if f in defaults})
     if not defaults:
-        return None
-    return {model_limits.LENGTH_DEFAULTS: defaults, model_limits.CONTEXT_TOKENS: context}
+        return spec, None
+    return spec, {model_limits.LENGTH_DEFAULTS: defaults, model_limits.CONTEXT_TOKENS: context}
 
 
 def validated_spec(
     *, session: Session, settings: Settings, tenant: Caller, body: JobCreate
-) -> tuple[JobSpec, dict[str, Any], dict[str, Any] | None]:
+) -> tuple[JobSpec, dict[str, Any] | None]:
     """What a job's creation checks, without writing anything: the spec parses, the model is offered, the grader and
-    reward models are valid, the lengths fit the model, the files are the tenant's datasets. Returns the spec with
-    its lengths resolved, its stored JSON and the creation event's data (:func:`_fit_lengths`)."""
+    reward models are valid, the lengths fit the model, the files are the tenant's datasets. Returns the spec as it
+    is stored (lengths fitted, reward models named by job id) and the creation event's data (:func:`_fit_lengths`)."""
     try:
         spec = parse_spec(_spec_input(body))
     except SpecError as err:
-        raise InvalidRequest(str(err), param=err.param, code="invalid_spec") from None
+        raise InvalidRequest(str(err), param=err.param, code=err.code or "invalid_spec") from None
     if spec.gpus > settings.max_job_gpus:
         raise InvalidRequest(
             f"this deployment runs a job on at most {settings.max_job_gpus} device"
@@ -242,27 +226,14 @@ def validated_spec(
             param="model",
             code="model_not_available",
         )
-    spec_json = spec.to_json()
-    if integrations := integrations_service.parse(body.integrations, settings=settings):
-        spec_json[integrations_service.INTEGRATIONS] = integrations  # the worker's trackers (stored, shown back)
-    grader = spec_json["method"][spec.method.type].get("grader")
-    if isinstance(grader, dict):  # python sources (checked in a sandbox), remote graders' models, metrics and URLs
-        graders_service.check_job_grader(grader, param=f"method.{spec.method.type}.grader", settings=settings)
-    if spec.method.agent is not None:  # tool servers' URLs under the deployment's policy; an environment's source
-        graders_service.check_agent(spec.method.agent, param=f"method.{spec.method.type}", settings=settings)
-    _resolve_reward_models(session, tenant=tenant, spec_json=spec_json)
-    value_model = getattr(spec.method.hyperparameters, "value_model", None)
-    if value_model is not None and value_model not in settings.base_models:
-        raise InvalidRequest(
-            f"value model {value_model!r} is not available; offered: {', '.join(settings.base_models)}",
-            param=f"method.{spec.method.type}.hyperparameters.value_model",
-            code="model_not_available",
-        )
+    integrations_service.check_configured(spec, settings=settings)
+    _check_method(spec, settings=settings)
+    spec = _resolve_reward_models(session, tenant=tenant, spec=spec)
     _check_dataset_file(session, tenant=tenant, file_id=spec.training_file, param="training_file")
     if spec.validation_file is not None:
         _check_dataset_file(session, tenant=tenant, file_id=spec.validation_file, param="validation_file")
-    created_data = _fit_lengths(spec, spec_json, settings=settings, body=body)
-    hp = type(spec.method.hyperparameters).model_validate(spec_json["method"][spec.method.type]["hyperparameters"])
+    spec, created_data = _fit_lengths(spec, settings=settings, body=body)
+    hp = spec.method.hyperparameters
     if spec.gpus > hp.batch_size:  # each device samples whole groups
         raise InvalidRequest(
             f"batch_size ({hp.batch_size}) must be at least resources.gpus ({spec.gpus}): each device trains on a "
@@ -270,8 +241,24 @@ def validated_spec(
             param="resources.gpus",
             code="invalid_spec",
         )
-    spec = spec.model_copy(update={"method": spec.method.model_copy(update={"hyperparameters": hp})})
-    return spec, spec_json, created_data
+    return spec, created_data
+
+
+def _check_method(spec: JobSpec, *, settings: Settings) -> None:
+    """The grader (python sources checked in a sandbox, remote graders' models, metrics and URLs), the agent's tool
+    servers under the deployment's URL policy and its environment's source, and a value model on offer."""
+    mtype = spec.method.type
+    if spec.method.grader is not None:
+        grader = spec.method.grader.model_dump(mode="json", exclude_none=True)
+        graders_service.check_job_grader(grader, param=f"method.{mtype}.grader", settings=settings)
+    if spec.method.agent is not None:
+        graders_service.check_agent(spec.method.agent, param=f"method.{mtype}", settings=settings)
+    if spec.value_model is not None and spec.value_model not in settings.base_models:
+        raise InvalidRequest(
+            f"value model {spec.value_model!r} is not available; offered: {', '.join(settings.base_models)}",
+            param=f"{spec.hyperparameters_param}.value_model",
+            code="model_not_available",
+        )
 
 
 def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCreate) -> Job:
@@ -284,7 +271,7 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
     does not fit the method fails the job (``invalid_file``, naming the file and the line), not the request, as
     OpenAI's ``validating_files`` does.
     """
-    spec, spec_json, created_data = validated_spec(session=session, settings=settings, tenant=tenant, body=body)
+    spec, created_data = validated_spec(session=session, settings=settings, tenant=tenant, body=body)
     job = jobs_repo.add(
         session,
         row=Job(
@@ -294,7 +281,7 @@ def create(*, session: Session, settings: Settings, tenant: Caller, body: JobCre
             training_file=spec.training_file,
             validation_file=spec.validation_file,
             status=JobStatus.VALIDATING_FILES,
-            spec=spec_json,
+            spec=spec.to_json(),
             seed=spec.seed,
             suffix=spec.suffix,
             metadata_=spec.metadata,

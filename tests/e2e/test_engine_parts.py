@@ -16,7 +16,8 @@ from trainer.generation.rollout import completion_logprobs
 from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
 from trainer.loops.checkpoint import load_state
 from trainer.loops.engine import Engine, ParamGroup, load_policy, seed_everything
-from trainer.spec.config import GRPOHyperparameters, LoraSpec
+from trainer.spec.config import GRPOHyperparameters
+from trainer.spec.lora import LoraSpec
 
 
 @pytest.fixture()

@@ -32,8 +32,8 @@ from trainer.generation.models import add_lora, load_adapter, load_base_model, l
 from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
 from trainer.loops.checkpoint import archive_adapter
 from trainer.loops.evaluate import decode_completions
-from trainer.spec.config import LoraSpec
 from trainer.spec.data import PromptItem
+from trainer.spec.lora import LoraSpec
 
 KEY = "inference-secret"
 CPU = torch.device("cpu")

@@ -215,7 +215,7 @@ def tuned(
     from api.orm import File
     from trainer.generation.models import add_lora
     from trainer.loops.checkpoint import archive_adapter
-    from trainer.spec.config import LoraSpec
+    from trainer.spec.lora import LoraSpec
 
     out = tmp_path_factory.mktemp("adapter")
     model = add_lora(greedy.base, LoraSpec(r=4, alpha=8), seed=0)

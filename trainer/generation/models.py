@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from trainer.generation import lora_forward
 from trainer.generation.attention import use_grouped_attention
-from trainer.spec.config import LoraSpec
+from trainer.spec.lora import LoraSpec
 
 Precision = Literal["fp32", "bf16"]
 

@@ -54,7 +54,8 @@ from trainer.generation.rollout import (
     position_ids,
 )
 from trainer.loops.engine import cat_padded, cpu_bf16_attention
-from trainer.spec.config import LoraSpec, PPOHyperparameters, SpecError
+from trainer.spec.config import PPOHyperparameters, SpecError
+from trainer.spec.lora import LoraSpec
 
 CRITIC_ADAPTER = "critic"
 POLICY_ADAPTER = "default"

@@ -57,7 +57,8 @@ from trainer.generation.models import (
 )
 from trainer.generation.rollout import Rollout, completion_logprobs, micro_slices, position_ids
 from trainer.loops import checkpoint as ckpt
-from trainer.spec.config import Hyperparameters, LoraSpec, SpecError
+from trainer.spec.config import Hyperparameters, SpecError
+from trainer.spec.lora import LoraSpec
 
 T = TypeVar("T")
 

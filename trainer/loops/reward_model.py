@@ -55,7 +55,7 @@ from trainer.generation.models import (
 from trainer.generation.rollout import Rollout, completion_logprobs, position_ids
 from trainer.grading.graders import reward_model_prompt
 from trainer.spec import graders
-from trainer.spec.config import LoraSpec
+from trainer.spec.lora import LoraSpec
 
 INFO_FILE = "reward_model.json"
 FORMAT = "proxima.reward_model/1"

@@ -1,4 +1,4 @@
-"""One Tinker training session on this machine (issue 17): a base model with a fresh LoRA adapter, trained and sampled
+"""One Tinker training session on this machine: a base model with a fresh LoRA adapter, trained and sampled
 through the calls of the official Tinker SDK — ``forward_backward``, ``optim_step``, ``sample``, ``save_state`` /
 ``load_state``. The protocol, the queue and the storage are the service's; this module is the torch side only and
 takes and returns the plain data of :mod:`trainer.spec.tinker_types`.
@@ -47,7 +47,8 @@ from trainer.generation.rollout import Rollout, completion_logprobs, micro_slice
 from trainer.generation.rollout_engine import HFRolloutEngine, SamplingParams
 from trainer.loops import checkpoint as ckpt
 from trainer.loops.engine import Engine, ParamGroup, load_policy
-from trainer.spec.config import Hyperparameters, LoraSpec
+from trainer.spec.config import Hyperparameters
+from trainer.spec.lora import LoraSpec
 from trainer.spec.tinker_types import (
     AdamParams,
     Datum,

@@ -1,4 +1,4 @@
-"""The job spec (design §3): one pydantic model per method's hyperparameters, defaults from the papers, strict on input.
+"""The job spec: one pydantic model per method's hyperparameters, defaults from the papers, strict on input.
 
 The same spec is the body of ``POST /v1/fine_tuning/jobs`` and, with local paths instead of file ids, the input of
 ``proxima train``. Errors are raised as :class:`SpecError` naming the field path (``method.grpo.hyperparameters.foo``)
@@ -8,6 +8,7 @@ before any model is loaded.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -15,21 +16,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from trainer.spec import graders, metrics
+from trainer.spec import integrations as tracking
 from trainer.spec.agent_spec import AgentSpec
+from trainer.spec.errors import SpecError
+from trainer.spec.lora import LoraSpec
 from trainer.spec.names import AggregationName, DPOLossType, KLEstimatorName
 from trainer.spec.recipes import RECIPES
 
-
-class SpecError(ValueError):
-    """A bad job spec. ``param`` is the dotted path of the offending field (OpenAI's error ``param``)."""
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(f"{param}: {message}" if param else message)
-        self.param = param
-        self.detail = message
-
-
-# Bounds (design §3): generous enough for any real job, and tight enough that no value overflows what stores or
+# Bounds: generous enough for any real job, and tight enough that no value overflows what stores or
 # uses it (the database's 32-bit step columns, a float's range, a GPU's memory before the first step).
 MAX_STEPS = 1_000_000
 """Most training steps a job may plan (``max_steps``, or ``n_epochs`` passes over the data): far below int4."""
@@ -53,20 +47,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-class LoraSpec(_Strict):
-    """LoRA adapter (Hu et al. 2021). ``target_modules``: ``all-linear`` (every linear layer but the LM head) or
-    module names. Dropout defaults to 0 because, in RL, dropout makes the first importance ratio ≠ 1 and the KL
-    noisy (TRL PR 3234)."""
-
-    r: int = Field(16, ge=1, le=1024, description="rank, 1 to 1024")
-    alpha: float = Field(32.0, gt=0, le=4096, description="scaling α (the update is scaled by α/r), up to 4096")
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: (
-        Literal["all-linear"]
-        | Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=256)]
-    ) = "all-linear"
-
-
 Auto = Literal["auto"]
 
 
@@ -78,7 +58,7 @@ def _auto_to_default(data: Any, fields: tuple[str, ...]) -> Any:
 
 
 class Hyperparameters(_Strict):
-    """Optimisation hyperparameters every method shares (design §3). Defaults suit LoRA: the papers' learning rates
+    """Optimisation hyperparameters every method shares. Defaults suit LoRA: the papers' learning rates
     of ~1e-6 are for full fine-tuning."""
 
     learning_rate: float = Field(3e-4, gt=0, le=1.0, description="0 < lr ≤ 1")
@@ -162,7 +142,7 @@ class Hyperparameters(_Strict):
 
 
 class RLHyperparameters(Hyperparameters):
-    """Hyperparameters shared by the online RL methods (design §3)."""
+    """Hyperparameters shared by the online RL methods."""
 
     group_size: int = Field(
         8,
@@ -385,7 +365,7 @@ DATA_FORMATS: dict[str, Literal["prompts", "preferences", "supervised"]] = {
     "dpo": "preferences",
     "supervised": "supervised",
 }
-"""The dataset format (design §4) each method trains on."""
+"""The dataset format (``trainer.spec.data``) each method trains on."""
 OPENAI_ALIASES = {"reinforcement": "grpo"}
 
 
@@ -459,7 +439,7 @@ class Resources(BaseModel):
 
 
 class JobSpec(BaseModel):
-    """A training job (design §3)."""
+    """A training job."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -471,6 +451,8 @@ class JobSpec(BaseModel):
     metadata: dict[str, str] | None = None
     method: MethodSpec
     resources: Resources | None = None  # None: one device
+    # the experiment trackers the service's worker exports the run to; the trainer's own run never reads them
+    integrations: list[tracking.Integration] = Field(default_factory=list)
 
     @field_validator("metadata")
     @classmethod
@@ -494,13 +476,64 @@ class JobSpec(BaseModel):
         """Whether the base's weights are sharded across the job's devices (FSDP2) rather than copied to each."""
         return self.resources is not None and self.resources.shard_base
 
+    @property
+    def value_model(self) -> str | None:
+        """PPO's separate value model, when it has one."""
+        return getattr(self.method.hyperparameters, "value_model", None)
+
+    @property
+    def hyperparameters_param(self) -> str:
+        """The path of the method's hyperparameters, as an error's ``param`` names them."""
+        return f"method.{self.method.type}.hyperparameters"
+
     def to_json(self) -> dict[str, Any]:
-        out = self.model_dump(mode="json", exclude={"method"}, exclude_none=True)
+        """The canonical JSON: what the service stores and every later reader parses back (:meth:`from_stored`)."""
+        out = self.model_dump(mode="json", exclude={"method", "integrations"}, exclude_none=True)
         for flag in ("shard_base", "gather_for_generation"):  # said only when asked for: {"gpus": N} as before
             if "resources" in out and not out["resources"][flag]:
                 del out["resources"][flag]
         out["method"] = self.method.to_json()
+        if self.integrations:
+            out["integrations"] = [i.model_dump(mode="json") for i in self.integrations]
         return out
+
+    @classmethod
+    def from_stored(cls, raw: Any) -> JobSpec:
+        """A stored spec (:meth:`to_json`) parsed back, with the checks it passed when it was stored."""
+        return parse_spec(raw)
+
+    def for_trainer(self) -> JobSpec:
+        """The spec the trainer's run reads: without the integrations, which are the worker's."""
+        return self.model_copy(update={"integrations": []})
+
+    def with_hyperparameters(self, values: Mapping[str, Any]) -> JobSpec:
+        """The spec with some hyperparameters set (lengths fitted to a model's context or to the data, a value model's
+        local folder), checked as a spec is; :class:`SpecError` naming the field otherwise."""
+        hp = self.method.hyperparameters
+        try:
+            hp = type(hp).model_validate({**hp.model_dump(), **values})
+        except ValidationError as err:
+            raise _first_error(err, self.hyperparameters_param) from None
+        if isinstance(hp, RLHyperparameters):
+            _check_rl_method(self.method.type, hp, self.hyperparameters_param)
+        return self.model_copy(update={"method": self.method.model_copy(update={"hyperparameters": hp})})
+
+    def reward_models(self) -> list[tuple[str, str]]:
+        """(param, model) of every reward_model leaf of the grader: ``model`` as the spec names it (the service's
+        stored spec: the reward_model job's id)."""
+        if self.method.grader is None:
+            return []
+        leaves = graders.keyed_leaves(self.method.grader, f"method.{self.method.type}.grader")
+        return [
+            (f"{param}.model", leaf.model) for _, param, leaf in leaves if isinstance(leaf, graders.RewardModelGrader)
+        ]
+
+    def with_reward_models(self, models: Mapping[str, str]) -> JobSpec:
+        """The spec with each reward_model leaf's ``model`` replaced by ``models[model]`` where it is a key."""
+        if self.method.grader is None:
+            return self
+        grader = graders.with_models(self.method.grader, models)
+        return self.model_copy(update={"method": self.method.model_copy(update={"grader": grader})})
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:
@@ -652,8 +685,9 @@ def parse_spec(raw: Any) -> JobSpec:
     method = _parse_method(raw.get("method")) if "method" in raw else None
     if method is None:
         raise SpecError("field required", param="method")
+    trackers = tracking.parse(raw.get("integrations"))
     try:
-        spec = JobSpec.model_validate({**raw, "method": method})
+        spec = JobSpec.model_validate({**raw, "method": method, "integrations": trackers})
     except ValidationError as err:
         raise _first_error(err, "") from None
     if spec.shard_base:
@@ -693,4 +727,11 @@ def load_spec(path: Path) -> JobSpec:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: not valid YAML/JSON: {err}") from None
-    return parse_spec(raw)
+    spec = parse_spec(raw)
+    if spec.integrations:
+        raise SpecError(
+            "the trainer's command line exports to no experiment tracker: integrations are the service's "
+            "(its worker exports a job's run)",
+            param="integrations",
+        )
+    return spec

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.generation.lora_forward import NO_ADAPTER, adapter_blocks, installed
 from trainer.generation.models import add_lora
-from trainer.spec.config import LoraSpec
+from trainer.spec.lora import LoraSpec
 
 
 def _model(dropout: float = 0.0) -> torch.nn.Module:

@@ -16,7 +16,7 @@ from trainer.generation.models import (
     resolve_precision,
     store_frozen_linears_in,
 )
-from trainer.spec.config import LoraSpec
+from trainer.spec.lora import LoraSpec
 
 
 @pytest.fixture()

@@ -25,8 +25,9 @@ from trainer.loops.reward_model import (
     sequence_scores,
 )
 from trainer.spec import graders
-from trainer.spec.config import LoraSpec, parse_spec
+from trainer.spec.config import parse_spec
 from trainer.spec.data import PromptItem
+from trainer.spec.lora import LoraSpec
 
 PROMPTS = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in [(1, 2), (23, 58), (9, 9), (40, 4)]]
 REPLIES = ["3", "81", "", "4444"]

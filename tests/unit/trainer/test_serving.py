@@ -22,7 +22,7 @@ from trainer.serving.inference import (
     Ticket,
     UnknownModel,
 )
-from trainer.spec.config import LoraSpec
+from trainer.spec.lora import LoraSpec
 
 CPU = torch.device("cpu")
 PROMPTS = ["What is 1 + 2?", "What is 33 + 48?", "What is 7 + 70?", "What is 99 + 99?", "What is 10 + 5?"]

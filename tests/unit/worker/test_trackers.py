@@ -18,12 +18,13 @@ from mlflow.tracking import MlflowClient
 from api.settings import Settings
 from tests import tracker_stores
 from tests.tracker_stores import WandbRun, mlflow_histories
+from trainer.spec.config import JobSpec
 from worker import trackers
 from worker.trackers import Exporter, flat_params, mlflow_key, rollout_table
 
 JOB = "ftjob-tracked0001"
 MODEL = "tiny-arith"
-SPEC: dict[str, Any] = {
+GIVEN: dict[str, Any] = {
     "model": MODEL,
     "training_file": "file-train1",
     "validation_file": "file-valid1",
@@ -48,6 +49,8 @@ SPEC: dict[str, Any] = {
         {"type": "mlflow", "mlflow": {"experiment_name": "arith-exp", "run_name": None, "tags": {"team": "rl"}}},
     ],
 }
+SPEC = JobSpec.from_stored(GIVEN).to_json()  # as the API stores it: every default resolved
+HYPERPARAMETERS = SPEC["method"]["grpo"]["hyperparameters"]
 METRICS: dict[int, dict[str, float | None]] = {
     0: {"valid/reward/mean": 0.25},
     1: {"reward/mean": 0.5, "kl/mean": 0.0, "loss": -0.125, "grad_norm": None},
@@ -80,9 +83,9 @@ CONFIG = {
     "validation_file": "file-valid1",
     "seed": 7,
     "suffix": "exp",
-    "hyperparameters": {"learning_rate": 1e-05, "batch_size": 2, "group_size": 4, "beta": 0.0},
-    "lora": {"r": 16, "alpha": 32},
-    "grader": SPEC["method"]["grpo"]["grader"],
+    "hyperparameters": HYPERPARAMETERS,
+    "lora": {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"},
+    "grader": GIVEN["method"]["grpo"]["grader"],
 }
 
 
@@ -155,6 +158,8 @@ def test_wandb_offline_run_holds_every_steps_metrics_the_config_and_rollout_tabl
     assert (run.run.run_id, run.run.project, run.run.display_name) == (JOB, "arith", "first try")
     assert list(run.run.tags) == ["proxima/finetune", f"proxima/{MODEL}", f"proxima/{JOB}", "mine"]
     assert run.config == CONFIG | {"total_steps": 3}
+    given = {k: run.config["hyperparameters"][k] for k in ("learning_rate", "batch_size", "group_size", "beta")}
+    assert given == {"learning_rate": 1e-05, "batch_size": 2, "group_size": 4, "beta": 0.0}
     assert sorted(run.history) == [0, 1, 2, 3]
     for step, values in METRICS.items():
         assert {k: v for k, v in run.history[step].items() if k != "rollouts"} == shown(values)
@@ -214,12 +219,11 @@ def test_mlflow_file_store_holds_the_metric_histories_params_and_rollout_artifac
         "validation_file": "file-valid1",
         "seed": "7",
         "suffix": "exp",
-        "hyperparameters.learning_rate": "1e-05",
-        "hyperparameters.batch_size": "2",
-        "hyperparameters.group_size": "4",
-        "hyperparameters.beta": "0.0",
+        **{f"hyperparameters.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in HYPERPARAMETERS.items()},
         "lora.r": "16",
-        "lora.alpha": "32",
+        "lora.alpha": "32.0",
+        "lora.dropout": "0.0",
+        "lora.target_modules": "all-linear",
         "grader.type": "string_check",
         "grader.name": "exact",
         "grader.input": "{{sample.output_text}}",
@@ -249,7 +253,7 @@ def export_job(
 ) -> Exporter:
     """One attempt's exports, as the worker makes them: on a resume the steps recorded up to the checkpoint, then
     the run's length, then each step's metrics and (training steps) its rollouts, as the trainer sends them."""
-    exporter = trackers.start(settings, job_id=JOB, model=MODEL, spec=spec)
+    exporter = trackers.start(settings, job_id=JOB, model=MODEL, spec=JobSpec.from_stored(spec))
     if resumed_from:
         exporter.backfill([(step, METRICS[step]) for step in range(resumed_from + 1)])
     exporter.config({"total_steps": 3})
@@ -263,7 +267,7 @@ def export_job(
 
 def first_attempt(settings: Settings, steps: list[int]) -> None:
     """An attempt that sent these steps and then lost the database (its runs are left open for the next one)."""
-    first = trackers.start(settings, job_id=JOB, model=MODEL, spec=SPEC)
+    first = trackers.start(settings, job_id=JOB, model=MODEL, spec=JobSpec.from_stored(SPEC))
     for step in steps:
         first.metrics(step, METRICS[step])
     first.close("abandoned")
@@ -343,7 +347,7 @@ def closed_port() -> int:
 
 def test_an_unreachable_tracker_is_one_warning_and_the_exports_go_on_without_it(tmp_path: Path) -> None:
     settings = settings_for(tmp_path, mlflow_tracking_uri=f"http://127.0.0.1:{closed_port()}", wandb_mode="online")
-    exporter = trackers.start(settings, job_id=JOB, model=MODEL, spec=MLFLOW_ONLY)
+    exporter = trackers.start(settings, job_id=JOB, model=MODEL, spec=JobSpec.from_stored(MLFLOW_ONLY))
     for step in (0, 1, 2, 3):
         exporter.metrics(step, METRICS[step])
     exporter.close("succeeded")
@@ -367,7 +371,7 @@ def test_a_stalled_tracker_never_blocks_the_worker_drops_beyond_its_queue_and_is
         tracker_close_timeout_s=1.0,
     )
     began = time.monotonic()
-    exporter = trackers.start(settings, job_id=JOB, model=MODEL, spec=MLFLOW_ONLY)
+    exporter = trackers.start(settings, job_id=JOB, model=MODEL, spec=JobSpec.from_stored(MLFLOW_ONLY))
     for step in range(40):  # the tracker's thread is stuck starting its run: two wait, the others are dropped
         exporter.metrics(step, {"reward/mean": step / 40})
         exporter.rollouts(step, ROLLOUTS)
@@ -387,7 +391,7 @@ def test_a_stalled_tracker_never_blocks_the_worker_drops_beyond_its_queue_and_is
 
 def test_a_tracker_the_deployment_no_longer_configures_is_skipped_with_a_warning(tmp_path: Path) -> None:
     settings = settings_for(tmp_path, wandb_mode="online", mlflow_tracking_uri=None)
-    exporter = trackers.start(settings, job_id=JOB, model=MODEL, spec=SPEC)
+    exporter = trackers.start(settings, job_id=JOB, model=MODEL, spec=JobSpec.from_stored(SPEC))
     assert not exporter
     assert [(e.message, e.data) for e in exporter.events()] == [
         (

@@ -98,6 +98,7 @@ from trainer.spec.graders.walks import (
     python_graders,
     remote_graders,
     template_fields,
+    with_models,
 )
 
 __all__ = [
@@ -166,4 +167,5 @@ __all__ = [
     "python_graders",
     "remote_graders",
     "template_fields",
+    "with_models",
 ]

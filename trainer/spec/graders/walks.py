@@ -93,6 +93,16 @@ def model_graders(grader: Grader) -> list[tuple[str, RewardModelGrader]]:
     return out
 
 
+def with_models(grader: Grader, models: Mapping[str, str]) -> Grader:
+    """The grader with every reward_model leaf's ``model`` replaced by ``models[model]`` (kept where it is not a key):
+    the service's job id of a reward model becomes the folder a worker fetched it to."""
+    if isinstance(grader, RewardModelGrader):
+        return grader.model_copy(update={"model": models.get(grader.model, grader.model)})
+    if isinstance(grader, MultiGrader):
+        return grader.model_copy(update={"graders": {k: with_models(c, models) for k, c in grader.graders.items()}})
+    return grader
+
+
 def keyed_leaves(grader: Grader, param: str = "grader") -> list[tuple[str, str, LeafGrader]]:
     """(key, param path, leaf) of every leaf, depth first: the key as `grade` keys sub_scores and reads
     `model_scores` (`judge`, `quality.judge`; a lone leaf is keyed by its name), the param path as the API names the
