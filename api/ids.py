@@ -36,7 +36,7 @@ def api_key() -> str:
 
 
 def fine_tuned_model_name(*, model: str, tenant_id: str, suffix: str | None, job_id: str) -> str:
-    """``ft:<base>:<tenant>:<suffix>:<id>`` (design §2), the job id without its ``ftjob-`` prefix."""
+    """``ft:<base>:<tenant>:<suffix>:<id>``, the job id without its ``ftjob-`` prefix."""
     return f"ft:{model}:{tenant_id}:{suffix or ''}:{job_id.removeprefix('ftjob-')}"
 
 

@@ -2,8 +2,8 @@
 (``trainer.spec.json_values``).
 
 Checking costs about 9 ms of CPU per MiB in Python (1 KB lines), with the GIL held: done in an API thread, a 512 MiB
-upload held the GIL for seconds and every other tenant's requests waited behind it (issue 12: tenant A's p99 went
-from 13 to 88 ms while B uploaded). So an upload is checked here for its first ``IN_PROCESS_BYTES`` (most datasets,
+upload held the GIL for seconds and every other tenant's requests waited behind it (tenant A's p99 went from 13
+to 88 ms while tenant B uploaded). So an upload is checked here for its first ``IN_PROCESS_BYTES`` (most datasets,
 and every small test file, never leave the process), and past that by a child process (``python -m api.line_check``)
 fed through a pipe: the API's thread only copies bytes, which releases the GIL. The child starts where the API
 stopped (line number, count and the partial last line), so the outcome is the same whichever side checks a line.

@@ -146,7 +146,7 @@ class Rollout(Base):
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
-# -- webhooks (issue 14): endpoints, the outbox of events, one delivery per (event, endpoint), its attempts ----------
+# -- webhooks: endpoints, the outbox of events, one delivery per (event, endpoint), its attempts ---------------------
 
 
 class WebhookEndpoint(Base):
@@ -218,7 +218,7 @@ class WebhookAttempt(Base):
     next_retry_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
-# -- the Tinker-compatible API (issue 17): client sessions, training sessions (leased like jobs), their requests -------
+# -- the Tinker-compatible API: client sessions, training sessions (leased like jobs), their requests ------------------
 
 
 class TinkerClientSession(Base):

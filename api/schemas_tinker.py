@@ -1,4 +1,4 @@
-"""The Tinker-compatible API's contract (issue 17): the request bodies of the official ``tinker`` SDK, the answers
+"""The Tinker-compatible API's contract: the request bodies of the official ``tinker`` SDK, the answers
 it reads, and the dashboard's view of training sessions (``GET /v1/training_sessions``, an extension of the
 OpenAI-shaped API with its keys and envelope; the SDK's own protocol is under ``/api/v1``).
 

@@ -89,7 +89,7 @@ class Settings(BaseSettings):
     grader_http_concurrency: int = Field(
         16, ge=1, le=1024, description="requests a trainer has in flight at once to each grading service"
     )
-    # --- inference: `proxima inference` and the API's chat completions (issue 14) ---
+    # --- inference: `proxima inference` and the API's chat completions ---
     inference_url: str | None = Field(
         None,
         description="base URL of the inference server (`proxima inference`, or vLLM's OpenAI server), e.g. "
@@ -117,7 +117,7 @@ class Settings(BaseSettings):
         description="of `proxima inference`'s models (auto: bf16 where matmuls run fast in it, as the trainer picks); "
         "fp32 gives the greedy completions of a job trained in fp32 exactly",
     )
-    # --- the Tinker-compatible API (issue 17): training sessions held by workers ---
+    # --- the Tinker-compatible API: training sessions held by workers ---
     tinker_max_request_bytes: int = Field(
         64 * 1024 * 1024,
         gt=0,
@@ -157,7 +157,7 @@ class Settings(BaseSettings):
     session_poll_s: float = Field(
         20.0, gt=0, le=40, description="how long `retrieve_future` holds a poll for a result before 'try again'"
     )
-    # --- webhooks (issue 14) ---
+    # --- webhooks ---
     # An endpoint's URL obeys the endpoint graders' policy (grader_url_schemes, grader_url_allow_networks,
     # grader_url_deny_networks), checked when it is set and again, pinned to the checked address, at every delivery.
     webhook_timeout_s: float = Field(10.0, gt=0, le=300, description="the time limit of one webhook delivery")
@@ -171,7 +171,7 @@ class Settings(BaseSettings):
     webhook_poll_interval_s: float = Field(
         2.0, gt=0, description="how often each worker's delivery loop looks for deliveries that are due"
     )
-    # --- experiment trackers: W&B and MLflow credentials come from the deployment, never from a job (issue 14) ---
+    # --- experiment trackers: W&B and MLflow credentials come from the deployment, never from a job ---
     # A job's `integrations` name a project and a run; the workers export to the trackers configured here (the API
     # refuses a job that asks for one that is not). Read by the API (is it configured?) and the workers (export).
     wandb_api_key: SecretStr | None = Field(

@@ -1,4 +1,4 @@
-"""A fine-tuning job's status (design §1, §2): the one definition that the ORM, the API schemas, the services and
+"""A fine-tuning job's status: the one definition that the ORM, the API schemas, the services and
 repositories, the worker and the sweeper use, and the groups of statuses the job's lifecycle is written in.
 
     validating_files → queued → running → succeeded | failed | cancelled

@@ -1,5 +1,5 @@
 """The Celery task names the API enqueues by and the worker registers under: the API publishes by name so that it
-never imports ``worker/`` (design §1), and both read the name from here."""
+never imports ``worker/``, and both read the name from here."""
 
 from __future__ import annotations
 

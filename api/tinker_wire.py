@@ -1,4 +1,4 @@
-"""The protobuf side of the Tinker-compatible training API (issue 17), without torch.
+"""The protobuf side of the Tinker-compatible training API, without torch.
 
 The SDK sends ``forward``/``forward_backward`` as a ``tinker_public.ForwardBackwardRequest`` (optionally zstd) and
 reads the results of those and of sampling back from ``retrieve_future`` as ``ForwardBackwardOutput`` and

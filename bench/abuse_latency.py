@@ -1,4 +1,4 @@
-"""Abuse latency: tenant A's job polls while tenant B, or a client without a key, sends abusive requests (issue 12).
+"""Abuse latency: tenant A's job polls while tenant B, or a client without a key, sends abusive requests.
 
 Starts `proxima serve --no-worker` on PostgreSQL + Redis (as `api_latency.py` does, whose helpers this reuses),
 seeds tenant A with a job and tenant B with a small dataset, then runs windows of A polling

@@ -1,4 +1,4 @@
-"""API latency under load, with PostgreSQL and Redis (issue 3's benchmark; results in BENCHMARKS.md).
+"""API latency under load, with PostgreSQL and Redis (results in BENCHMARKS.md).
 
 Starts `proxima serve --no-worker` on PostgreSQL + Redis in a subprocess, seeds a job with 10,000 metric rows, then
 drives `GET /v1/fine_tuning/jobs/{id}` and `GET /v1/fine_tuning/jobs/{id}/metrics` from a separate load process at a

@@ -1,4 +1,4 @@
-"""Side-by-side GRPO benchmark: this trainer against TRL's ``GRPOTrainer`` (issue 2, "Benchmark").
+"""Side-by-side GRPO benchmark: this trainer against TRL's ``GRPOTrainer`` (results in BENCHMARKS.md).
 
 The same run on both sides: LoRA r=16 (all-linear, alpha 32, dropout 0), 8 prompts × 8 samples per step, prompts of
 16–32 tokens, exactly 32 new tokens per sample (EOS held off: ours ``min_completion_tokens = max_completion_tokens =

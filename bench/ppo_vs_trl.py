@@ -1,4 +1,4 @@
-"""Side-by-side PPO benchmark: this trainer's PPO against TRL's ``RLOOTrainer`` (issue 4, "Benchmark").
+"""Side-by-side PPO benchmark: this trainer's PPO against TRL's ``RLOOTrainer``.
 
 TRL 1.16.0 ships no PPO trainer (no ``PPOTrainer`` in ``trl``, none under ``trl.experimental``), so TRL's side is
 the closest method it has: RLOO, REINFORCE with a leave-one-out baseline and, like PPO's reward shaping, the k1 KL

@@ -1,4 +1,4 @@
-"""The python grader's cost and learning against string_check (issue 13): GRPO on tiny-arith, the same seed and steps,
+"""The python grader's cost and learning against string_check: GRPO on tiny-arith, the same seed and steps,
 graded once by `string_check` (exact match with the item's answer) and once by a `python` grader computing the same
 score in the sandbox (trainer.grading.sandbox: one bubblewrap sandbox per batch).
 

@@ -1,5 +1,5 @@
-"""RLHF on tiny-arith (issue 16): the reward model's held-out pairwise accuracy with its default hyperparameters, and
-PPO graded only by that reward model against PPO graded by the true answer, per seed.
+"""RLHF on tiny-arith (docs/rlhf.md): the reward model's held-out pairwise accuracy with its default hyperparameters,
+and PPO graded only by that reward model against PPO graded by the true answer, per seed.
 
 For each seed: a ``reward_model`` job with no hyperparameters on the built-in ``preferences.jsonl`` (its validation
 is the default 10% split of those pairs, which picks the best checkpoint) → its pairwise accuracy on

@@ -1,4 +1,4 @@
-"""The Tinker protocol's overhead (issue 17): one ``forward_backward`` + ``optim_step`` through the official SDK, the
+"""The Tinker protocol's overhead: one ``forward_backward`` + ``optim_step`` through the official SDK, the
 API, PostgreSQL and a worker's session process, against the same two calls on ``trainer.serving.tinker_session`` in this
 process, on the small benchmark model (bench/common.py). Sides alternate; a round starts once the 1-minute load is
 below ``--max-load`` (1.0; a round that cannot is tried again later) and the load is printed for each side.

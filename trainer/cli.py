@@ -1,4 +1,4 @@
-"""``proxima``: the command line (design §7). Training commands run the trainer locally, without the service."""
+"""``proxima``: the command line. Training commands run the trainer locally, without the service."""
 
 from __future__ import annotations
 

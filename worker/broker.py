@@ -4,7 +4,7 @@ The sweeper re-sends a waiting job's message only when the broker no longer hold
 never sent because the broker was down when the job was created): a job that merely waits its turn behind busy
 workers keeps its place in the queue, and the queue stays first in, first out.
 
-Read for the two brokers a deployment uses (design §8), through the kombu channel of each:
+Read for the two brokers a deployment uses, through the kombu channel of each:
 
 - Redis: the queue's lists (one per priority step) hold the waiting messages; the ``unacked`` hash holds those handed
   to a worker and not yet acknowledged, with the time each was handed over in the ``unacked_index`` sorted set.

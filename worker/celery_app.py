@@ -1,5 +1,5 @@
 """The Celery application. The broker message is only a wake-up call carrying a job id: the database lease decides
-who runs the job, so a redelivered or duplicated message is harmless (design §1)."""
+who runs the job, so a redelivered or duplicated message is harmless."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A running job's ``estimated_finish`` (issue 14, item 5): the time left, from the steps measured so far.
+"""A running job's ``estimated_finish``: the time left, from the steps measured so far.
 
 Pure functions of what the worker has seen (no clock, no torch), refined at every step:
 

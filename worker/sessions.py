@@ -1,4 +1,4 @@
-"""Tinker training sessions on a worker (issue 17): lease a session with waiting requests, hold its model in a child
+"""Tinker training sessions on a worker: lease a session with waiting requests, hold its model in a child
 process (``worker.session_process``), run its requests in the SDK's order, write their results.
 
 A worker holds at most ``PROXIMA_WORKER_SESSIONS`` sessions at once, beside its jobs (Celery's ``--concurrency``):

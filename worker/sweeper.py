@@ -1,7 +1,7 @@
 """The sweeper: finishes what dead workers left, re-enqueues jobs the broker no longer holds a message for, and
 cleans the artifact store now and then.
 
-The database is the truth and a broker message only a wake-up call (design §1), so every worker runs a sweeper
+The database is the truth and a broker message only a wake-up call, so every worker runs a sweeper
 thread that, every ``interval`` seconds:
 
 1. ends the running jobs whose worker died after a cancel or a pause was asked for (``runs.settle_abandoned``):

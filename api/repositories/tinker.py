@@ -1,4 +1,4 @@
-"""All SQL of the Tinker-compatible API (issue 17): client sessions, training sessions and their lease, samplers, the
+"""All SQL of the Tinker-compatible API: client sessions, training sessions and their lease, samplers, the
 request queue, saved checkpoints.
 
 A training session is leased like a job (``api.repositories.runs``): every claim and renewal is one conditional

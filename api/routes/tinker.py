@@ -1,4 +1,4 @@
-"""``/api/v1/…``: the protocol of Thinking Machines' official ``tinker`` SDK (issue 17), served for our tenants.
+"""``/api/v1/…``: the protocol of Thinking Machines' official ``tinker`` SDK, served for our tenants.
 
 Point the SDK at the service (``ServiceClient(base_url="http://host:8000", api_key="tml-<Proxima key>")``) and its
 training, sampling and checkpoint calls run on Proxima's workers. Requests that need a model are queued as futures

@@ -1,4 +1,4 @@
-"""``/v1/training_sessions``: the tenant's Tinker training sessions as the dashboard lists them (issue 17): request
+"""``/v1/training_sessions``: the tenant's Tinker training sessions as the dashboard lists them: request
 counts, the last loss, optimiser steps, where each is loaded, and its saved states."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Length hyperparameters that fit the base model (issue 14, item 7): a method's token lengths resolved against the
+"""Length hyperparameters that fit the base model: a method's token lengths resolved against the
 model's context, torch-free, in two stages.
 
 1. **At creation** (the API, :func:`fit_spec`): the context is ``max_position_embeddings`` of the model's

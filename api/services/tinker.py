@@ -1,4 +1,4 @@
-"""The Tinker-compatible API's service layer (issue 17): what each request of the official ``tinker`` SDK does.
+"""The Tinker-compatible API's service layer: what each request of the official ``tinker`` SDK does.
 
 The API never holds a model. A request that needs one (forward_backward, optim_step, sample, save/load) becomes a
 ``session_requests`` row, a future whose id the SDK polls with ``retrieve_future``; the worker that holds the

@@ -1,4 +1,4 @@
-"""Learning with tools on tiny-calc (issue 15): GRPO and PPO, each episode free to call the built-in calculator over
+"""Learning with tools on tiny-calc: GRPO and PPO, each episode free to call the built-in calculator over
 real HTTP, lift held-out greedy accuracy by at least 0.25 and the tool-call rate rises.
 
 The base answers three-number sums by itself with the ones carry dropped (right on 3% of samples) and calls the

@@ -1,4 +1,4 @@
-"""Agent episodes in the RL loop (issue 15), on a random Llama with tiny-calc's tokenizer and chat template and the
+"""Agent episodes in the RL loop, on a random Llama with tiny-calc's tokenizer and chat template and the
 built-in calculator served over real HTTP:
 
 - a scripted policy calls the calculator on even rows and answers directly (wrong) on odd ones: the rows hold the

@@ -1,4 +1,4 @@
-"""An agent job through the service (issue 15): `proxima serve` (API and a real worker) on PostgreSQL and Redis offers
+"""An agent job through the service: `proxima serve` (API and a real worker) on PostgreSQL and Redis offers
 tiny-calc; a tenant uploads the calculator task and creates OpenAI's reinforcement job with a tool at the built-in
 calculator server (the deployment's policy allowing loopback); the worker trains with episodes; the metrics endpoint
 has the episode and tool series, the rollouts endpoint each episode's transcript, and the dashboard's rollouts browser

@@ -1,4 +1,4 @@
-"""``/docs`` and ``/redoc`` in Chromium (issue 12, finding 13): under their Content-Security-Policy both render every
+"""``/docs`` and ``/redoc`` in Chromium: under their Content-Security-Policy both render every
 operation with no script error, and nothing is fetched from any other origin. The one thing the policy has to
 block is ReDoc's own logo, an image its bundle always asks its CDN for (api/routes/docs.py)."""
 

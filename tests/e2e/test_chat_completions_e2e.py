@@ -1,6 +1,6 @@
-"""Issue 14's done-when, end to end: through the official ``openai`` client a GRPO job trains on tiny-arith on
-``proxima serve`` (API, worker and the inference server it starts: PROXIMA_INFERENCE_URL unset), and the trained
-model answers at once through ``chat.completions.create``, streamed and not.
+"""Chat completions of a job's model, end to end: through the official ``openai`` client a GRPO job trains on
+tiny-arith on ``proxima serve`` (API, worker and the inference server it starts: PROXIMA_INFERENCE_URL unset), and
+the trained model answers at once through ``chat.completions.create``, streamed and not.
 
 On the job's 100 validation prompts at temperature 0, graded with the job's grader, the fine-tuned model scores
 exactly the job's last validation reward (``val/reward/mean`` of the last step) and the base model exactly the

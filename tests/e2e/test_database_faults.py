@@ -1,10 +1,10 @@
-"""The API when PostgreSQL fails (issue 12, findings 15 and 18): down, every route that needs it answers 503 with
+"""The API when PostgreSQL fails: down, every route that needs it answers 503 with
 ``Retry-After`` in OpenAI's envelope and the service recovers by itself when it returns; frozen (every server
 process stopped, its sockets still accepting), requests answer 503 within seconds instead of hanging; a statement
 held past the statement timeout is a 503 too.
 
 The database is a cluster of this module's own (tests/e2e/postgres_cluster.py), reached through the plain
-``postgresql://`` URL a provider prints (finding 21) with short time limits as libpq parameters; the API is a
+``postgresql://`` URL a provider prints with short time limits as libpq parameters; the API is a
 `proxima serve --no-worker` process.
 """
 

@@ -1,8 +1,9 @@
-"""Issue 14, items 5 and 7, on a real deployment (``proxima serve``: API and worker, PostgreSQL, Redis): a GRPO job on
-tiny-arith with every hyperparameter but ``max_steps`` left at its default is created with lengths that fit the
-model's 64-token context and trains to ``succeeded`` (before, its default ``max_completion_tokens`` of 256 failed it
-after queueing); while it runs, its ``estimated_finish`` is set, within a bound from its measured steps, and
-``proxima jobs follow`` prints it; at the end it is cleared."""
+"""Lengths that fit the model and the estimated finish on a real deployment (``proxima serve``: API and worker,
+PostgreSQL, Redis): a GRPO job on tiny-arith with every hyperparameter but ``max_steps`` left at its default is
+created with lengths that fit the model's 64-token context and trains to ``succeeded`` (before, its default
+``max_completion_tokens`` of 256 failed it after queueing); while it runs, its ``estimated_finish`` is set, within a
+bound from its measured steps, and ``proxima jobs follow`` prints it; at the end it is cleared. (README: "Lengths that
+fit the model, estimated finish and estimates".)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""OpenAI reinforcement fine-tuning job specs run unchanged through the official `openai` client (issue 13): a
+"""OpenAI reinforcement fine-tuning job specs run unchanged through the official `openai` client: a
 `python` grader, a `score_model` grader (the deployment's judge: a real chat-completions server on this machine,
 tests/remote_grader_servers.py) and a `multi` of both, each a `reinforcement` job on `proxima serve` with its worker,
 to `succeeded`, with each sub-grader's reward curve."""

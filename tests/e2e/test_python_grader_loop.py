@@ -1,4 +1,4 @@
-"""The online RL loop with OpenAI's `python` grader (issue 13, item 1): two GRPO steps on a small random model whose
+"""The online RL loop with OpenAI's `python` grader: two GRPO steps on a small random model whose
 rewards come from a grader's code run in the sandbox, one sandbox per graded batch."""
 
 from __future__ import annotations

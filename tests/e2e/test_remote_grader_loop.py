@@ -1,6 +1,6 @@
-"""A GRPO job graded by a `multi` of OpenAI's `python` and `score_model` graders runs to `succeeded` on a real worker
-(issue 13, item 2): the worker hands the deployment's judge (URL, key, model names) to its trainer process without a
-command line, the trainer calls a real chat-completions server on this machine (tests/remote_grader_servers.py, no
+"""A GRPO job graded by a `multi` of OpenAI's `python` and `score_model` graders runs to `succeeded` on a real worker:
+the worker hands the deployment's judge (URL, key, model names) to its trainer process without a command line, the
+trainer calls a real chat-completions server on this machine (tests/remote_grader_servers.py, no
 mocked HTTP), and each sub-grader's reward is a metric of every step."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RLHF on tiny-arith, end to end (issue 16): a reward model trained with default hyperparameters on the built-in
+"""RLHF on tiny-arith, end to end (docs/rlhf.md): a reward model trained with default hyperparameters on the built-in
 preference data ranks held-out pairs like the truth, and PPO graded only by it lifts held-out accuracy.
 
 Slow (about 15 s for the reward model and 10 s each for the PPO runs on 2 cores) but run in CI. The held-out pairs

@@ -1,4 +1,4 @@
-"""Tinker training sessions on real workers (issue 17), driven by the official ``tinker`` SDK over HTTP: the numbers a
+"""Tinker training sessions on real workers, driven by the official ``tinker`` SDK over HTTP: the numbers a
 session computes against an independent forward of the same model, a session that moves to another worker when its
 worker is SIGKILLed, an idle session saved, unloaded and reloaded, and weights downloaded as a PEFT adapter."""
 

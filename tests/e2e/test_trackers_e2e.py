@@ -1,4 +1,4 @@
-"""Experiment trackers end to end (issue 14): ``proxima serve`` with its worker, on a deployment that exports to W&B
+"""Experiment trackers end to end: ``proxima serve`` with its worker, on a deployment that exports to W&B
 (offline mode) and to MLflow (a file store), trains a small job created through the official client with both
 integrations; the W&B offline run and the MLflow run then hold the job's metric series exactly as
 ``GET /v1/fine_tuning/jobs/{id}/metrics`` reports it, its rollouts as ``GET …/rollouts`` reports them, and its

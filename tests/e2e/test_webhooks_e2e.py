@@ -1,4 +1,4 @@
-"""Webhooks end to end (issue 14, item 4): a real worker process runs a real job on PostgreSQL + Redis, and a real
+"""Webhooks end to end: a real worker process runs a real job on PostgreSQL + Redis, and a real
 local HTTP receiver, verifying each POST with the official client's ``webhooks.unwrap``, gets the job's event.
 
 - a job that succeeds: exactly one verified ``fine_tuning.job.succeeded`` whose ``data.id`` is the job;

@@ -143,7 +143,7 @@ def test_waiting_jobs_keep_their_order_a_lost_message_is_sent_again_and_a_dead_w
     svc.send(busy)
     pid = wait_for_trainer(svc, busy)
 
-    # Finding 20: four jobs wait behind the busy worker, sweep after sweep; none is sent again, the queue keeps order.
+    # Four jobs wait behind the busy worker, sweep after sweep; none is sent again, the queue keeps order.
     waiting = [svc.create_job(grpo_spec(str(random_model_dir), steps=2), arithmetic_data) for _ in range(4)]
     for job_id in waiting:
         svc.send(job_id)
@@ -169,12 +169,12 @@ def test_waiting_jobs_keep_their_order_a_lost_message_is_sent_again_and_a_dead_w
     for job_id in waiting:
         svc.set_flag(job_id, status="cancelled", cancel_requested=True)
 
-    # Finding 6: the trainer (stuck: it cannot even read its stdin) dies with its worker.
+    # The trainer (stuck: it cannot even read its stdin) dies with its worker.
     os.kill(busy_worker.pid, signal.SIGKILL)  # the worker alone, not its process group
     busy_worker.wait()
     svc.wait_for("the trainer to die with its worker", lambda: not alive(pid), timeout=15)
 
-    # Finding 17: cancelled after its worker died; and another job whose worker died after a pause request.
+    # Cancelled after its worker died; and another job whose worker died after a pause request.
     svc.set_flag(busy, cancel_requested=True)  # what the API's cancel does for a running job
     abandoned = svc.create_job(grpo_spec(str(random_model_dir), steps=2), arithmetic_data)
     svc.set_flag(
@@ -348,7 +348,7 @@ def test_a_running_job_rides_out_a_connection_reset_and_a_database_restart_recor
         ]
         assert said.count("Fine-tuning job started") == 1 and said[-1] == "The job has successfully completed"
         assert not [m for m in said if "failed" in m.lower() or m.startswith("Resuming")]
-        # Finding 14: the events name the model as the job does, never the worker's folder for it.
+        # The events name the model as the job does, never the worker's folder for it.
         assert f"training grpo on {STORE_MODEL} for {steps} steps" in said
         home = str(svc.settings.home)
         assert not [e.message for e in svc.events(job_id) if home in e.message or home in json.dumps(e.data)]

@@ -1,4 +1,4 @@
-"""Agent jobs through the API (issue 15): OpenAI agent RFT's `tools` and `max_episode_steps`, or a sandboxed python
+"""Agent jobs through the API: OpenAI agent RFT's `tools` and `max_episode_steps`, or a sandboxed python
 environment, in an online method's body; the stored spec shows them back; a tool server the deployment's URL policy
 refuses, an environment whose source cannot work and malformed tools are 400s naming the field; a dataset line's
 `tools` must name the job's tools (checked by the worker's validation, naming the line)."""

@@ -1,4 +1,4 @@
-"""Defaults that fit the model (issue 14, item 7), over the real app and PostgreSQL: every method on every offered
+"""Defaults that fit the model, over the real app and PostgreSQL: every method on every offered
 model created with all its hyperparameters left at their defaults gets lengths that fit the model's context; a given
 length that cannot fit is a 400 naming it; the worker's ``validating_files`` fits the defaults to the longest prompt
 (recorded in the job and an event) and fails a prompt that cannot fit, naming its line.

@@ -1,4 +1,4 @@
-"""``/docs`` and ``/redoc`` (issue 12, finding 13): the pages load their scripts and styles from this server only (the
+"""``/docs`` and ``/redoc``: the pages load their scripts and styles from this server only (the
 assets of the pinned fastapi-offline wheel), run no inline script, and carry a Content-Security-Policy that forbids
 any other origin; the dashboard, whose page keeps the API key in this origin's localStorage, carries one too.
 (tests/e2e/test_api_docs_browser.py renders both pages in Chromium under that policy.)"""

@@ -1,4 +1,4 @@
-"""A job's ``integrations`` at creation (issue 14): OpenAI's W&B integration and our MLflow one accepted when the
+"""A job's ``integrations`` at creation: OpenAI's W&B integration and our MLflow one accepted when the
 deployment exports to the tracker, stored with the job and shown back in its object (over HTTP and through the
 official client), refused with a 400 naming the field when malformed, and refused naming the integration when the
 deployment does not export to that tracker. (What the worker exports: tests/unit/worker/test_trackers.py and

@@ -1,4 +1,4 @@
-"""Request bodies (issue 12, finding 4): the API key is checked before a byte of the body is read, and every body is
+"""Request bodies: the API key is checked before a byte of the body is read, and every body is
 bounded as it streams in, chunked or not.
 
 The server here is a `proxima serve --no-worker` process of its own, on the session's test database, with its own

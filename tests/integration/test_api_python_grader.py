@@ -1,4 +1,4 @@
-"""OpenAI's `python` grader through the real API (issue 13, item 1): dry-runs score in a sandbox with OpenAI's
+"""OpenAI's `python` grader through the real API: dry-runs score in a sandbox with OpenAI's
 `sample` object, validate and job creation check the source in a sandbox, and a grader that outlives its time limit
 answers with OpenAI's server-error flag while the API goes on serving others."""
 

@@ -1,4 +1,4 @@
-"""``/readyz`` (issue 12, finding 12): it needs no key, so it says only which backend is down (database, broker,
+"""``/readyz``: it needs no key, so it says only which backend is down (database, broker,
 store), never the driver's message with hosts, ports and database names; that goes to the log."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""score_model, label_model, endpoint and cosine graders through the real API (issue 13, items 2 to 4): dry-runs call
+"""score_model, label_model, endpoint and cosine graders through the real API: dry-runs call
 real local services (tests/remote_grader_servers.py), and validate, run and job creation refuse with a 400 naming
 the field what the deployment cannot run: a judge model it does not offer, a model grader without a judge, cosine
 without embeddings, an endpoint URL its policy forbids. The session's app has none of them configured; this module

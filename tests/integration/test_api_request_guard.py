@@ -1,4 +1,4 @@
-"""Paths and query strings (issue 12, finding 7): a NUL byte or a string that is not UTF-8 anywhere in a path or a
+"""Paths and query strings: a NUL byte or a string that is not UTF-8 anywhere in a path or a
 query string is a 400 naming the parameter, on every route, before it can reach PostgreSQL (which cannot store a
 NUL). And a method a path does not serve is a 405 that lists, in ``Allow``, every method it does serve."""
 

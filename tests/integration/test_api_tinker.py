@@ -1,4 +1,4 @@
-"""The Tinker-compatible API without a worker (issue 17): the official SDK's client set-up, sessions and training
+"""The Tinker-compatible API without a worker: the official SDK's client set-up, sessions and training
 sessions as rows, futures that wait, tenancy, and bad input. Requests that need a model stay pending here; the
 worker's side is tests/e2e/test_tinker_sessions.py."""
 

@@ -1,4 +1,4 @@
-"""``/v1/training_sessions``: the dashboard's view of Tinker training sessions (issue 17), against rows written
+"""``/v1/training_sessions``: the dashboard's view of Tinker training sessions, against rows written
 straight into the database as the Tinker API and its workers write them. Listing tests use a fresh tenant each, so
 that sessions made by other tests' tenants cannot change what is listed."""
 

@@ -1,4 +1,4 @@
-"""Values a request or a dataset may hold (issue 12, findings 7 to 10), over HTTP against the real app and
+"""Values a request or a dataset may hold, over HTTP against the real app and
 PostgreSQL: a NUL, a lone surrogate, NaN, infinity, a number out of its range, a huge integer or deep nesting is a
 400 naming where it is, and nothing reaches the database, the queue or the trainer."""
 
@@ -48,7 +48,7 @@ def nothing_stored(db: Callable[[], Any], tenant_a: Tenant, queue_length: Callab
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Findings 7 and 8: strings the database cannot hold or the answer cannot encode
+# Strings the database cannot hold or the answer cannot encode
 
 
 class TestStrings:
@@ -156,7 +156,7 @@ class TestResponseBuiltBeforeCommit:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Finding 9: every hyperparameter finite and bounded
+# Every hyperparameter finite and bounded
 
 
 class TestHyperparameters:
@@ -225,7 +225,7 @@ class TestHyperparameters:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Finding 10: dataset lines Python's parser refuses with something other than a JSONDecodeError
+# Dataset lines Python's parser refuses with something other than a JSONDecodeError
 
 
 HUGE_INT = b'{"prompt": "1+1", "answer": ' + b"1" * 4301 + b"}\n"

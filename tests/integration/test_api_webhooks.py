@@ -1,4 +1,4 @@
-"""Webhook endpoints through the real API (issue 14, item 4), in OpenAI's shape (``client.webhooks.*``): create (the
+"""Webhook endpoints through the real API, in OpenAI's shape (``client.webhooks.*``): create (the
 secret shown once), list, retrieve, update, delete, rotate; 401 without a key, 404 for another tenant's endpoint, 400
 naming the field for a bad URL (the endpoint graders' SSRF policy) or event type. The outbox: each path that ends or
 pauses a job records its event and one delivery per subscribed endpoint in the same transaction; a worker's delivery

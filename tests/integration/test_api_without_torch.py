@@ -1,4 +1,4 @@
-"""The API process never imports torch (issue 11, part 4): not when its modules are imported, not when ``proxima
+"""The API process never imports torch: not when its modules are imported, not when ``proxima
 serve`` builds the app, and not while it serves the requests that validate a spec, store a dataset and create a job.
 
 Each check runs in a fresh interpreter: the test process itself has torch loaded by other tests.

@@ -1,5 +1,5 @@
 """``proxima jobs follow`` against the real app: a job's messages print after the progress line of the step they
-follow (a checkpoint after its step's metrics), in the order they happened (issue 12, "Also")."""
+follow (a checkpoint after its step's metrics), in the order they happened."""
 
 from __future__ import annotations
 

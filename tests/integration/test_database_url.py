@@ -1,4 +1,4 @@
-"""``PROXIMA_DATABASE_URL`` as a provider prints it (issue 12, finding 21): ``postgresql://`` and ``postgres://`` mean
+"""``PROXIMA_DATABASE_URL`` as a provider prints it: ``postgresql://`` and ``postgres://`` mean
 psycopg2, the driver installed (SQLAlchemy 2 alone would load psycopg 3, which is not), for the API, migrations and
 scripts alike."""
 

@@ -1,4 +1,4 @@
-"""Graders sent to stall the API (issue 12, findings 1, 2, 3, 5 and the grader half of 8), each sent while other
+"""Graders sent to stall the API, each sent while other
 clients poll: ``/healthz`` without a key and tenant A's job list. Before the fixes each of these froze every request
 of the process for seconds to hours (a pure-Python loop or a regex holding the GIL on a request thread).
 

@@ -12,7 +12,9 @@ from sqlalchemy.exc import StatementError
 
 from api.status import CLAIMABLE, LEASED, NOT_STARTED, PAUSABLE, TERMINAL_STATUSES, WAITING, JobStatus
 
-DESIGN_ORDER = ["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]  # design §2
+# The job statuses in the order of a job's life as the API documents them (api/status.py): OpenAI's six, from
+# validating_files to the three terminal ones, then our own paused.
+DESIGN_ORDER = ["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
 
 
 def test_the_statuses_are_the_designs() -> None:

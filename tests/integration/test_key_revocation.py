@@ -1,5 +1,5 @@
 """``proxima keys list`` and ``proxima keys revoke``; a revoked key, or a deleted tenant's, fails at once on every
-API process despite their key caches (issue 12, finding 11)."""
+API process despite their key caches."""
 
 from __future__ import annotations
 

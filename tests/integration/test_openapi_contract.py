@@ -1,4 +1,4 @@
-"""The OpenAPI document is true (issue 12, "Also"): clients are generated from it, so it declares the bearer key and
+"""The OpenAPI document is true: clients are generated from it, so it declares the bearer key and
 every error the API answers, and schemathesis finds no server error and no answer that contradicts it.
 
 schemathesis runs as its command line does (``--checks all``, every phase, NUL bytes allowed) against the real

@@ -1,5 +1,6 @@
-"""An upload into a full artifact store (issue 12, finding 16, the API's side): a 507 that says the store is full,
-nothing half-written left in the store, no row, and the next upload that fits is stored as usual.
+"""An upload into a full artifact store (the API's side; the worker's is in tests/e2e/test_worker_faults.py): a 507
+that says the store is full, nothing half-written left in the store, no row, and the next upload that fits is stored
+as usual.
 
 The store is a local folder on a 1 MiB tmpfs of the test's own (mounting one needs root, as CI runs).
 """

@@ -1,6 +1,7 @@
-"""A running job whose worker died after a cancel or a pause was asked for (finding 17 of issue 12): the sweeper's
-repository function ends it, on the real database, as the API then shows; and the progress writes a worker may run
-twice through a database outage record once."""
+"""A running job whose worker died after a cancel or a pause was asked for, a request nobody would ever act on
+otherwise (no worker claims a job with a cancel pending): the sweeper's repository function ends it, on the real
+database, as the API then shows; and the progress writes a worker may run twice through a database outage record
+once."""
 
 from __future__ import annotations
 

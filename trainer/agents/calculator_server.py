@@ -1,4 +1,4 @@
-"""The built-in calculator tool server (issue 15): one tool, `calculator`, over OpenAI's agent-RFT tool wire shape.
+"""The built-in calculator tool server: one tool, `calculator`, over OpenAI's agent-RFT tool wire shape.
 
 A tool call arrives as ``POST /`` with a Responses ``function_call`` item as its body::
 

@@ -1,4 +1,4 @@
-"""Agent episodes (issue 15): a policy's turns interleaved with the results of the tools it calls, as one RL row.
+"""Agent episodes: a policy's turns interleaved with the results of the tools it calls, as one RL row.
 
 :class:`EpisodeRunner` drives any :class:`~trainer.generation.rollout_engine.RolloutEngine` turn by turn. Each turn is
 one batched ``generate`` over the episodes still running (prompt = the episode's prompt and its completion so far);

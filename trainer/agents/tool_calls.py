@@ -1,4 +1,4 @@
-"""Tool calls in a model's own syntax (issue 15): parsing a generated turn into calls, and the tokens the chat
+"""Tool calls in a model's own syntax: parsing a generated turn into calls, and the tokens the chat
 template inserts after them.
 
 A model writes tool calls the way its chat template taught it, and each family has its own syntax:

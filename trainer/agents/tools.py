@@ -1,4 +1,4 @@
-"""What runs an agent episode's tool calls (issue 15): a tool server over HTTP, or a Python environment in the sandbox.
+"""What runs an agent episode's tool calls: a tool server over HTTP, or a Python environment in the sandbox.
 
 `trainer.agents.episodes.EpisodeRunner` drives a `ToolExecutor` per job: `start` when an episode begins (a Python
 environment's `reset` may replace its opening messages), `call` for each tool call the policy makes (from many threads

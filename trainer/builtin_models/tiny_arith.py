@@ -1,4 +1,4 @@
-"""The built-in base model `tiny-arith` (design §9).
+"""The built-in base model `tiny-arith`.
 
 No model hub is reachable from our machines, so the project builds its own base model: a ~3M-parameter
 Llama-architecture causal LM with a locally trained tokenizer, taught two-digit addition

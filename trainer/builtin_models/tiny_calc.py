@@ -1,4 +1,4 @@
-"""The built-in base model `tiny-calc` (design §9, issue 15): tiny-arith's sibling that knows one tool.
+"""The built-in base model `tiny-calc`: tiny-arith's sibling that knows one tool.
 
 The learnable agent task: sums of three two-digit numbers (`What is 23 + 58 + 71?` → `152`). The base model, offered
 the `calculator` tool through its chat template, calls it on some of its samples (Hermes/Qwen syntax)::

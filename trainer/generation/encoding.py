@@ -1,4 +1,4 @@
-"""Tokenising datasets (design §4) and the order the loops draw them in; the parsing is ``trainer.spec.data``'s.
+"""Tokenising datasets and the order the loops draw them in; the parsing is ``trainer.spec.data``'s.
 
 A completion is tokenised exactly as the online RL loop samples one: the prompt through the tokenizer's chat template
 with the generation prompt (:func:`prompt_text`), then the reply's tokens and one EOS. The reward model is trained and

@@ -1,4 +1,4 @@
-"""The program that runs a python environment's code inside its sandbox, for one agent episode (issue 15).
+"""The program that runs a python environment's code inside its sandbox, for one agent episode.
 
 `trainer.agents.tools.PythonEnvironmentExecutor` starts it with `trainer.grading.sandbox.SandboxSession`: the python
 grader's bubblewrap, limits and uid slots, one sandbox per episode, so the environment's state (its module's globals)

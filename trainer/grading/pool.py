@@ -1,5 +1,5 @@
-"""Grading in processes of their own, with a hard time limit per sample (design §5: a grader never runs on the
-API's threads, and every grader has a per-sample time budget).
+"""Grading in processes of their own, with a hard time limit per sample (a grader never runs on the API's
+threads, and every grader has a per-sample time budget).
 
 `trainer.grading.graders` keeps each grading step linear and its inputs capped; this module makes the time limit hard. A
 `GradingPool` keeps a few grading processes (`python -c "...serve()"`: they import `trainer.grading.graders` and nothing

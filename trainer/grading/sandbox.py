@@ -1,4 +1,4 @@
-"""The sandbox that runs a `python` grader's code (issue 13, item 1): bubblewrap, as an unprivileged uid of its own.
+"""The sandbox that runs a `python` grader's code: bubblewrap, as an unprivileged uid of its own.
 
 A batch of samples costs one sandbox start: `PythonSandbox.grade_batch` starts the runner
 (`trainer.grading.sandbox_runner`) under bubblewrap, sends it the source once, then each (sample, item) in turn, and
@@ -36,7 +36,7 @@ top-level code raised or ran past `startup_timeout_s`: every sample), `timeout`,
 `crash` (the sandbox died or answered garbage; OpenAI's `python_grader_server_error` with that type). An error that
 is not the grader's (bubblewrap cannot start, no uid slot is free) raises `SandboxUnavailable` instead.
 
-A python environment of agent episodes (issue 15) runs in the same sandbox, one per episode: `SandboxSession` keeps a
+A python environment of agent episodes runs in the same sandbox, one per episode: `SandboxSession` keeps a
 sandbox, and its uid slot, for as long as the episode lasts, its runner `trainer.grading.environment_runner` answering
 one request at a time (reset, then each step) within the wall time the caller gives each.
 

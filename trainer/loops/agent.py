@@ -1,4 +1,4 @@
-"""Agent episodes in the online RL loop (issue 15): the job's tools or environment, the episode runner over the rollout
+"""Agent episodes in the online RL loop: the job's tools or environment, the episode runner over the rollout
 engine, grading an episode as OpenAI grades one (its final answer as ``output_text``, its calls as ``output_tools``)
 and the episode metrics.
 

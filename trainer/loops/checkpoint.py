@@ -1,4 +1,4 @@
-"""Checkpoints (design §6): the PEFT adapter plus everything needed to resume exactly.
+"""Checkpoints: the PEFT adapter plus everything needed to resume exactly.
 
 Layout of ``<dir>/checkpoints/step-000010/``: ``adapter/`` (``adapter_config.json``, ``adapter_model.safetensors``),
 ``trainer_state.pt`` (optimiser, scheduler, RNG states, step, data position, KL controller), ``spec.json`` (the
@@ -157,7 +157,7 @@ def load_state(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def archive_adapter(adapter_dir: Path, out: Path) -> Path:
-    """The adapter folder as ``.tar.gz`` (design §6), its files at the archive's top level."""
+    """The adapter folder as ``.tar.gz``, its files at the archive's top level."""
     with tarfile.open(out, "w:gz") as tar:
         for f in sorted(adapter_dir.iterdir()):
             tar.add(f, arcname=f.name)

@@ -1,4 +1,4 @@
-"""tinker-cookbook's own training loops on the built-in models, against a Proxima server (issue 17).
+"""tinker-cookbook's own training loops on the built-in models, against a Proxima server.
 
 The cookbook's loops (``tinker_cookbook.supervised.train`` and ``tinker_cookbook.rl.train``) run unchanged through the
 official ``tinker`` SDK; what a model needs from the cookbook is a tokenizer and a renderer, and the built-in models

@@ -1,4 +1,4 @@
-"""The agent part of an online method's body (issue 15): the tools a policy may call and how long an episode runs.
+"""The agent part of an online method's body: the tools a policy may call and how long an episode runs.
 
 In the shape of OpenAI's agent RFT (``method.reinforcement.tools: [{"name", "server_url", "headers"}]`` and
 ``max_episode_steps``), each tool optionally with its function definition as OpenAI's function tools define it

@@ -1,4 +1,4 @@
-"""Datasets (design §4): JSONL files validated line by line, every error naming its line.
+"""Datasets: JSONL files validated line by line, every error naming its line.
 
 RL prompts: ``{"messages": [{"role": "user", "content": "..."}], ...extra}`` or ``{"prompt": "...", ...extra}``;
 the whole object is the ``item`` that graders reference.
@@ -127,7 +127,7 @@ def offered_functions(items: Sequence[PromptItem], agent: AgentSpec | None) -> l
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Preference pairs (reward_model, dpo) and supervised conversations (design §4); their tokenisation is
+# Preference pairs (reward_model, dpo) and supervised conversations; their tokenisation is
 # ``trainer.generation.encoding``'s.
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -192,7 +192,7 @@ def _implicit_prompt(obj: Mapping[str, Any]) -> tuple[list[dict[str, str]], str,
 
 
 def parse_preference_line(obj: Any, line: int = 0) -> PreferenceItem:
-    """One preference line (either format of design §4) → :class:`PreferenceItem`; ``ValueError`` names the
+    """One preference line (either of ``PREFERENCE_FORMATS``) → :class:`PreferenceItem`; ``ValueError`` names the
     problem."""
     if not isinstance(obj, dict):
         raise ValueError("each line must be a JSON object")

@@ -1,4 +1,4 @@
-"""The plain data of the Tinker-compatible training API (issue 17), shared by the protocol codec (``api``, torch-free)
+"""The plain data of the Tinker-compatible training API, shared by the protocol codec (``api``, torch-free)
 and the session's trainer (``trainer.serving.tinker_session``): numpy arrays and Python numbers, no torch.
 
 A datum is what the SDK's ``tinker.Datum`` carries: the model input's tokens (its chunks concatenated) and the loss

@@ -1,4 +1,4 @@
-"""Every hyperparameter of every method is finite and bounded (issue 12, finding 9): the same models serve the API
+"""Every hyperparameter of every method is finite and bounded: the same models serve the API
 and ``proxima train``, so a bound here holds for both; no integer can overflow the database's int4 columns."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The bounds of trainer.grading.graders (issue 12, findings 1, 2, 3 and 8): templates parsed in linear time and capped,
+"""The bounds of trainer.grading.graders: templates parsed in linear time and capped,
 regular expressions on RE2, text_similarity in C and capped, multi graders nested and counted within bounds.
 
 Timings are generous (a shared machine): each bound is far below what the code before the fix took."""

@@ -1,4 +1,4 @@
-"""trainer.grading.pool: grading in processes of their own, with a hard time limit per sample (issue 12, finding 5)."""
+"""trainer.grading.pool: grading in processes of their own, with a hard time limit per sample."""
 
 from __future__ import annotations
 

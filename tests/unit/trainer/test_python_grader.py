@@ -1,4 +1,4 @@
-"""OpenAI's `python` grader (issue 13, item 1): its model, the `sample` object, the error flags of its failures, the
+"""OpenAI's `python` grader: its model, the `sample` object, the error flags of its failures, the
 batch grading of training (one sandbox per python leaf and batch) and the rule that fails a job whose grader fails
 on most samples."""
 

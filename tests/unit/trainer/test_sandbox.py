@@ -1,5 +1,6 @@
-"""trainer.grading.sandbox: the python grader's sandbox (issue 13, item 1). Every escape the issue names is a grader
-that scores 1.0 (or says what it found) when the escape works, so that each test fails if it does.
+"""trainer.grading.sandbox: the python grader's sandbox. Every escape tried here (the network, the host's files and
+processes, the service's environment, privileges, resource limits) is a grader that scores 1.0 (or says what it
+found) when the escape works, so that each test fails if it does.
 
 The sandbox is required, not optional: where it cannot start (bubblewrap missing, no root), every test here fails
 with the reason (`make test` installs bubblewrap). Limits are small so that the file runs in seconds.

@@ -1,4 +1,4 @@
-// Tinker training sessions (issue 17), read from /v1/training_sessions: the tenant's sessions, newest first, and one
+// Tinker training sessions, read from /v1/training_sessions: the tenant's sessions, newest first, and one
 // session's numbers, saved states (their tinker:// paths), recent requests and the loss of its forward_backward
 // requests. Both views poll while shown; a closed session's page stops, as it cannot change any more.
 
