@@ -35,6 +35,8 @@ from typing import Any, Protocol
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from trainer.spec.json_values import refuse_constant
+
 
 class ToolCallFormatError(ValueError):
     """A turn that tries to call a tool but whose call does not parse."""
@@ -80,11 +82,7 @@ def new_call_id() -> str:
 _WS = re.compile(r"[ \t\n\r]*")
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = json.JSONDecoder(parse_constant=refuse_constant)
 
 
 def _skip_ws(s: str, i: int) -> int:

@@ -43,12 +43,12 @@ from trainer.grading.remote_graders import (
     CallFailed,
     HttpClient,
     RemoteConfig,
-    refuse_constant,
     short,
 )
 from trainer.grading.sandbox import SandboxConfig, SandboxSession, SessionStopped
 from trainer.grading.url_policy import CLIENT_OPTIONS, Pinned, Resolver
 from trainer.spec.agent_spec import EnvironmentSpec, ToolSpec
+from trainer.spec.json_values import refuse_constant
 from trainer.spec.urls import UrlRefused
 
 ToolErrorKind = Literal[

@@ -48,6 +48,7 @@ from trainer.grading.graders import render, sample_object
 from trainer.grading.url_policy import CLIENT_OPTIONS, Pinned, Resolver, UrlPolicy
 from trainer.spec import graders
 from trainer.spec.graders import GradeError, GradeErrorKind
+from trainer.spec.json_values import refuse_constant
 from trainer.spec.urls import UrlRefused
 
 MAX_BACKOFF_S = 8.0
@@ -193,10 +194,6 @@ class AnswerError(ValueError):
 
 
 _FENCE_RE = re.compile(r"```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```", re.DOTALL)
-
-
-def refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -160,7 +160,8 @@ def _check_leaf(value: Any, path: Path) -> None:
         raise JsonValueError(NOT_FINITE, path=path)
 
 
-def _no_constant(name: str) -> float:
+def refuse_constant(name: str) -> float:
+    """``json.loads``' ``parse_constant``: Python's parser takes NaN and ±Infinity, which are not JSON."""
     raise JsonValueError(f"{name}: {NOT_FINITE}")
 
 
@@ -172,7 +173,7 @@ def _finite_float(literal: str) -> float:
 
 
 # Built once: ``json.loads`` with any hook builds a decoder per call, which costs more than parsing a short line.
-_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+_DECODER = json.JSONDecoder(parse_constant=refuse_constant, parse_float=_finite_float)
 
 
 def loads(text: str, *, max_depth: int = MAX_DEPTH) -> Any:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainer.spec.graders import FinishReason, GradeError, GradeErrorKind, Grader, python_graders
+from trainer.spec.json_values import refuse_constant
 
 if TYPE_CHECKING:
     from trainer.grading.sandbox import PythonSandbox, Result
@@ -90,12 +91,8 @@ def sample_object(
     }
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def _parse_json(text: str) -> Any:
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=refuse_constant)
     except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; RecursionError: nested too deep
         return None
