@@ -41,7 +41,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def run(side: str, base: Path, script: str, argv: list[str]) -> dict[str, Any]:
     """One ``ours`` worker run, from the base checkout (``before``) or this one, through ``common.run_worker``."""
     if side == "before":
-        return run_worker(str(base / "bench" / script), "ours", argv, python=[sys.executable, "-c", BOOT, str(base)])
+        # in the base checkout: the processes it starts with ``python -c`` (the grading pool's) have the working
+        # folder first on their path, and would import this checkout's trainer from here
+        boot = [sys.executable, "-c", BOOT, str(base)]
+        return run_worker(str(base / "bench" / script), "ours", argv, python=boot, cwd=base)
     return run_worker(str(HERE / script), "ours", argv)
 
 

@@ -317,16 +317,18 @@ def settle(max_load: float) -> float:
     return load
 
 
-def run_worker(script: str, side: str, argv: list[str], *, python: list[str] | None = None) -> dict[str, Any]:
+def run_worker(
+    script: str, side: str, argv: list[str], *, python: list[str] | None = None, cwd: Path | None = None
+) -> dict[str, Any]:
     """Run ``script --worker side argv…`` once the machine is idle (``MAX_LOAD``) and return its ``RESULT``, with
     the load average before and after and whether it had to start under load. ``python``: the interpreter's command
-    line (default this one; ``bench/before_after.py`` passes a bootstrap)."""
+    line (default this one; ``bench/before_after.py`` passes a bootstrap); ``cwd``: the folder it runs in."""
     cmd = [*(python or [sys.executable]), script, "--worker", side, *argv]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("PYTHONWARNINGS", "ignore")
     loaded = settle(MAX_LOAD) >= MAX_LOAD
     load_start = loadavg()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
     load_end = loadavg()
     results = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not results:
