@@ -13,6 +13,13 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap python3 wordnet-base \
     && rm -rf /var/lib/apt/lists/*
 
+# The packages python graders import (trainer/grading/sandbox_packages: OpenAI's grader image's), built for Debian's
+# python3, read-only in every sandbox: its own layer, rebuilt only when the requirements change.
+COPY trainer/grading/sandbox_packages/ ./trainer/grading/sandbox_packages/
+RUN PIP_PYTHON=python3 trainer/grading/sandbox_packages/build trainer/grading/sandbox_packages/requirements.txt \
+    /opt/sandbox-packages /usr/bin/python3
+ENV PROXIMA_SANDBOX_PACKAGES=/opt/sandbox-packages
+
 COPY pyproject.toml constraints.txt README.md ./
 COPY trainer ./trainer
 COPY api ./api

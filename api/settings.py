@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.exc import ArgumentError
 
 from api.db import driver_url
+from trainer.grading.sandbox import default_packages_dir, packages_dir_problem
 
 
 class Settings(BaseSettings):
@@ -88,6 +89,21 @@ class Settings(BaseSettings):
     grader_http_max_retries: int = Field(3, ge=0, le=10, description="retries of a request that timed out or got 5xx")
     grader_http_concurrency: int = Field(
         16, ge=1, le=1024, description="requests a trainer has in flight at once to each grading service"
+    )
+    # --- the sandbox of python graders and python environments (trainer.grading.sandbox) ---
+    sandbox_packages: Path | None = Field(
+        default_factory=default_packages_dir,
+        description="the folder of packages python graders and environments can import (built by "
+        "trainer/grading/sandbox_packages/build: OpenAI's grader image's), mounted read-only in every sandbox; "
+        "unset: the checkout's build/sandbox-packages (`make sandbox-packages`) when it is there and the sandboxes "
+        "can read it, else none (with a warning saying why); "
+        "empty: none (the standard library only)",
+    )
+    sandbox_memory_bytes: int = Field(
+        2 << 30,
+        ge=64 << 20,
+        description="the memory of one sandbox as a whole, its processes and scratch /tmp together, where the host "
+        "gives it a cgroup (trainer.grading.cgroups); each process is bounded to 2 GiB of address space besides",
     )
     # --- inference: `proxima inference` and the API's chat completions ---
     inference_url: str | None = Field(
@@ -209,6 +225,18 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, v: object) -> object:
         return None if v == "" else v  # `VAR=` in a compose file or an env file: not configured
+
+    @field_validator("sandbox_packages", mode="before")
+    @classmethod
+    def _no_packages(cls, v: object) -> object:
+        return None if v == "" else v  # set but empty: the standard library only
+
+    @field_validator("sandbox_packages")
+    @classmethod
+    def _packages_folder(cls, v: Path | None) -> Path | None:
+        if v is not None and (problem := packages_dir_problem(v)) is not None:
+            raise ValueError(f"PROXIMA_SANDBOX_PACKAGES: {problem} (build one with `make sandbox-packages`)")
+        return v
 
     @field_validator("wandb_base_url", "mlflow_tracking_uri")
     @classmethod

@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from trainer import builtin_models
 from trainer.generation.models import ModelError
+from trainer.grading.sandbox import configure_sandbox, configured_sandbox, default_packages_dir, packages_dir_problem
 from trainer.spec import graders
 from trainer.spec import metrics as M
 from trainer.spec.callbacks import BaseCallback, Callbacks, JsonlFiles
@@ -35,6 +37,24 @@ console = Console(stderr=True, soft_wrap=True)  # messages stay on one line: scr
 # peft calls a transformers API that transformers 5 deprecates: not the user's concern.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 USER_ERRORS = (SpecError, DatasetError, ModelError, graders.GraderError)
+SandboxPackages = Annotated[
+    Path | None,
+    typer.Option(
+        help="the folder of packages python graders and environments import (as PROXIMA_SANDBOX_PACKAGES is the "
+        "service's); default: this checkout's build/sandbox-packages (`make sandbox-packages`) when it is there, "
+        "else the standard library only",
+        show_default=False,
+    ),
+]
+
+
+def use_sandbox_packages(packages: Path | None) -> None:
+    """This process's python sandboxes import from `packages` (default_packages_dir() when None); a folder they
+    cannot use is a usage error naming --sandbox-packages."""
+    if packages is not None and (problem := packages_dir_problem(packages.absolute())) is not None:
+        raise typer.BadParameter(problem, param_hint="--sandbox-packages")
+    folder = packages.absolute() if packages is not None else default_packages_dir()
+    configure_sandbox(replace(configured_sandbox(), packages_dir=folder))
 
 
 def proxima_home() -> Path:
@@ -137,13 +157,17 @@ def train(
     spec_file: Annotated[Path, typer.Argument(help="job spec (YAML or JSON) with local paths for the files")],
     output: Annotated[Path, typer.Option("--output", "-o", help="run folder")],
     resume: Annotated[bool, typer.Option(help="continue from the latest checkpoint in --output")] = False,
+    sandbox_packages: SandboxPackages = None,
 ) -> None:
     """Run a job spec locally: writes metrics.jsonl, rollouts.jsonl, checkpoints/ and the final adapter/. A spec
     asking for ``resources.gpus`` N > 1 runs as N ranks under torch's launcher (one per GPU; processes on a CPU)."""
+    use_sandbox_packages(sandbox_packages)
     try:
         spec = load_spec(spec_file)
         if spec.gpus > 1 and "WORLD_SIZE" not in os.environ:
-            _relaunch(spec.gpus, ["train", str(spec_file), "--output", str(output), *(["--resume"] if resume else [])])
+            packages = configured_sandbox().packages_dir
+            args = ["train", str(spec_file), "--output", str(output), *(["--resume"] if resume else [])]
+            _relaunch(spec.gpus, [*args, *(["--sandbox-packages", str(packages)] if packages else [])])
         result = run_training(spec, output, resume=resume)
     except USER_ERRORS as err:
         _fail(err)
@@ -175,6 +199,7 @@ def eval_cmd(
     batch_size: Annotated[int, typer.Option()] = 64,
     seed: Annotated[int, typer.Option()] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    sandbox_packages: SandboxPackages = None,
 ) -> None:
     """Mean reward of a model (and adapter) on a dataset."""
     import torch
@@ -189,6 +214,7 @@ def eval_cmd(
     )
     from trainer.loops.evaluate import evaluate
 
+    use_sandbox_packages(sandbox_packages)
     try:
         g = graders.parse_grader(_read_json(grader))
         items = load_prompts(data, grader=g)[:limit]

@@ -12,12 +12,15 @@ from pathlib import Path
 
 from api.db import session_scope
 from api.repositories import runs
+from api.services import files as files_service
+from api.services.graders import sandbox_config
 from api.status import JobStatus
 from api.storage import NotFound
 from worker.errors import ErrorCode, JobError
 from worker.job_context import ClaimedJob, JobContext, step_tokens
 from worker.models import resolve_model
 from worker.redact import Redactor
+from worker.runner import write_sandbox_file
 from worker.validation import download_dataset
 
 TRAINING_COPY, VALIDATION_COPY = "train.jsonl", "validation.jsonl"  # file names in the run folder's data/
@@ -32,8 +35,9 @@ class Restored:
 
 
 def prepare_run_folder(ctx: JobContext, job: ClaimedJob) -> Redactor:
-    """The datasets, the models and the spec with local paths in the run folder; the redactor that turns those
-    paths back into the names the user gave."""
+    """The datasets, the models, the spec with local paths and the deployment's sandbox of python graders and
+    environments (`worker.runner.write_sandbox_file`) in the run folder; the redactor that turns those paths back into
+    the names the user gave."""
     data = ctx.data_dir
     data.mkdir()
     model_store = ctx.settings.model_store
@@ -54,10 +58,14 @@ def prepare_run_folder(ctx: JobContext, job: ClaimedJob) -> Redactor:
     local.update({folder: f"reward model {ref}" for ref, folder in folders.items()})
     spec = spec.with_reward_models(folders)
     (ctx.run_dir / "spec.json").write_text(json.dumps(spec.to_json(), indent=2))
+    write_sandbox_file(ctx.run_dir, sandbox_config(ctx.settings))
     return Redactor(local)
 
 
 def _download_file(ctx: JobContext, file_id: str, dest: Path) -> str:
+    if ctx.db("read a dataset's expiry", lambda: files_service.is_expired(ctx.url, file_id=file_id)):
+        message = f"file {file_id} expired (expires_after) before the job read it: upload it again, create a new job"
+        raise JobError(ErrorCode.INVALID_FILE, message)
     return str(ctx.db("download a dataset", lambda: download_dataset(ctx.url, ctx.store, file_id=file_id, dest=dest)))
 
 

@@ -21,7 +21,9 @@ stderr, which the worker writes to its own log, never to the job.
 The deployment's remote graders (judge, embeddings, endpoint URL policy:
 ``trainer.grading.remote_graders.RemoteConfig``, API keys included) come as JSON in the environment variable
 ``REMOTE_GRADERS_ENV``, which the runner removes from its environment as it starts, so that no process it starts
-(grading processes, sandboxes) inherits the keys.
+(grading processes, sandboxes) inherits the keys. The deployment's sandbox of python graders and environments (its
+packages folder, memory bound and limits: ``trainer.grading.sandbox.SandboxConfig``) is ``RUN_DIR/sandbox.json``
+(SANDBOX_FILE), which the worker writes with the spec; a run folder without it grades with the standard library only.
 
 Test-only: ``PROXIMA_TEST_TRAINER_HANG=start`` in its environment makes the trainer stuck from its start, as a step
 stuck in native code would be: it ignores SIGTERM and blocks holding the GIL, so that neither a stop request nor its
@@ -41,10 +43,13 @@ import threading
 import traceback
 import warnings
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from worker import messages as msg
 from worker.errors import ErrorCode, code_for
+
+if TYPE_CHECKING:  # the trainer's modules are imported once the message channel is open (see _train)
+    from trainer.grading.sandbox import SandboxConfig
 
 # Exit code of a run that ended with a typed error message (the parent reads the message, not the code).
 EXIT_ERROR = 1
@@ -52,6 +57,7 @@ EXIT_ORPHANED = 3
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 HANG_ENV = "PROXIMA_TEST_TRAINER_HANG"
 REMOTE_GRADERS_ENV = "PROXIMA_RUNNER_REMOTE_GRADERS"
+SANDBOX_FILE = "sandbox.json"
 SUMMARY_CHARS = 300
 
 
@@ -219,6 +225,7 @@ def _train(run_dir: Path, callback: Any, remote_graders: str | None, *, main_ran
     hf_logging.disable_progress_bar()
     if remote_graders is not None:
         configure_remote(RemoteConfig.model_validate_json(remote_graders))
+    configure_sandbox_of(run_dir)
     spec = parse_spec(json.loads((run_dir / "spec.json").read_text()))
     world = distributed.from_environment()
     distributed.initialise(world)
@@ -229,6 +236,20 @@ def _train(run_dir: Path, callback: Any, remote_graders: str | None, *, main_ran
     if main_rank:
         pipe.send(msg.Started(total_steps=trainer.total_steps))
     return trainer.run(resume=True)
+
+
+def write_sandbox_file(run_dir: Path, config: SandboxConfig) -> None:
+    """Hand the deployment's sandbox (`api.services.graders.sandbox_config`) to the run folder's trainer."""
+    (run_dir / SANDBOX_FILE).write_text(json.dumps(config.to_json(), indent=2))
+
+
+def configure_sandbox_of(run_dir: Path) -> None:
+    """This process's python sandboxes as its worker set them up (`write_sandbox_file`); a run folder without the
+    file leaves SandboxConfig's defaults (the standard library only)."""
+    from trainer.grading.sandbox import SandboxConfig, configure_sandbox
+
+    if (path := run_dir / SANDBOX_FILE).is_file():
+        configure_sandbox(SandboxConfig.from_json(json.loads(path.read_text())))
 
 
 def _report_failure(err: BaseException, pipe: Pipe, progress: Progress) -> int:

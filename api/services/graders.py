@@ -5,11 +5,14 @@ hard time limit: a request waits (asynchronously) for one of POOL_SIZE processes
 (beyond that it is a 429). A sample that takes longer than SAMPLE_TIMEOUT_S is a result with OpenAI's
 `unresponsive_reward_error` flag, as any other grading problem is a flag.
 
-A `python` grader's code runs in a sandbox (`trainer.grading.sandbox`, SANDBOX), waited on by the same threads and
-counted in the same bound: its source is checked there (`check_source`: it parses and defines `grade(sample, item)`) by
-validate, run and job creation, and run grades the sample there. Its failures are OpenAI's
+A `python` grader's code runs in a sandbox (`trainer.grading.sandbox`, with SANDBOX's limits and the deployment's
+packages folder and memory bound: `sandbox_config`, which job creation's checks use too), waited on by the same threads
+and counted in the same bound: its source is checked there (`check_source`: it parses and defines
+`grade(sample, item)`) by validate, run and job creation, and run grades the sample there. Its failures are OpenAI's
 `python_grader_runtime_error` (with details) and `python_grader_server_error` (with its type: timeout, cpu_limit,
-output_limit, crash); a sandbox that cannot start here is a 400 `sandbox_unavailable` saying why.
+memory_limit, output_limit, crash); a sandbox that cannot start here is a 400 `sandbox_unavailable` saying why. A grader
+importing a package the folder does not hold fails as OpenAI's does: a runtime error whose details hold the
+ImportError.
 
 The remote graders (`score_model`, `label_model`, `endpoint`, text_similarity's `cosine`:
 `trainer.grading.remote_graders`) are checked against the deployment's configuration (`remote_config`) by validate, run
@@ -31,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from api.errors import ApiError, InvalidRequest, Unavailable
@@ -57,7 +60,8 @@ WAITERS = 8
 """Threads of an API process that wait on grading processes and sandboxes (a sandbox is a process of its own, so
 more dry-runs than POOL_SIZE may run at once when some are python graders)."""
 SANDBOX = SandboxConfig(sample_timeout_s=SAMPLE_TIMEOUT_S, startup_timeout_s=SAMPLE_TIMEOUT_S, cpu_seconds=30)
-"""The python graders' sandbox of a dry-run: the hard limit of the others, for its start and its sample each."""
+"""The limits of a dry-run's python graders' sandbox: the hard limit of the others, for its start and its sample each
+(`sandbox_config` adds the deployment's packages folder and memory bound)."""
 DRY_RUN_TIMEOUT_S = 15.0
 """The time limit of one request of a dry-run's remote grader (at most the deployment's)."""
 DRY_RUN_MAX_RETRIES = 1
@@ -142,15 +146,25 @@ _grading = _Grading()
 atexit.register(_grading.close)
 
 
-def _sandbox() -> PythonSandbox:
-    """A sandbox with SANDBOX's limits, once this process has found it can start one (else 400 saying why)."""
-    reason = sandbox_available(SANDBOX)
+def sandbox_config(settings: Settings, *, dry_run: bool = False) -> SandboxConfig:
+    """The sandbox of this deployment's python graders and python environments: its packages folder
+    (`PROXIMA_SANDBOX_PACKAGES`) and whole-sandbox memory bound (`PROXIMA_SANDBOX_MEMORY_BYTES`), with OpenAI's limits
+    (`SandboxConfig`'s defaults: what a job's graders and environments get, and evaluations), or with `dry_run` those
+    of a grader dry-run and of the API's source checks (SANDBOX). The worker hands it to each trainer process
+    (`worker.runner`)."""
+    limits = SANDBOX if dry_run else SandboxConfig()
+    return replace(limits, packages_dir=settings.sandbox_packages, memory_bytes=settings.sandbox_memory_bytes)
+
+
+def _sandbox(config: SandboxConfig) -> PythonSandbox:
+    """A sandbox with `config`, once this process has found it can start one (else 400 saying why)."""
+    reason = sandbox_available(config)
     if reason is not None:
         raise SandboxUnavailable(reason)
-    return PythonSandbox(SANDBOX)
+    return PythonSandbox(config)
 
 
-def check_python_sources(grader: dict[str, Any], *, param: str) -> None:
+def check_python_sources(grader: dict[str, Any], *, param: str, config: SandboxConfig) -> None:
     """400 naming `<param>…source` when a python leaf's source does not parse or defines no `grade(sample, item)`
     (checked in a sandbox: parsing hostile source is not for an API thread); 400 `sandbox_unavailable` when python
     graders cannot run here. Blocks its thread on the sandbox: call it from a waiting thread or a sync route."""
@@ -158,7 +172,7 @@ def check_python_sources(grader: dict[str, Any], *, param: str) -> None:
     if not sources:
         return
     try:
-        sandbox = _sandbox()
+        sandbox = _sandbox(config)
         for path, source in sources:
             problem = sandbox.check_source(source)
             if problem is not None:
@@ -216,8 +230,9 @@ def check_job_grader(grader: dict[str, Any], *, param: str, settings: Settings) 
     """Job creation's check of a validated grader: its python sources (`check_python_sources`, counted against
     MAX_IN_FLIGHT with the dry-runs) and its remote leaves (`check_remote_graders`)."""
     if graders.python_grader_params(grader, param):
+        config = sandbox_config(settings, dry_run=True)
         with _api_errors():
-            _grading.call_sync(lambda _: check_python_sources(grader, param=param))
+            _grading.call_sync(lambda _: check_python_sources(grader, param=param, config=config))
     with _api_errors():
         parsed = graders.parse_grader(grader)  # validated by the spec already: linear and bounded
     if graders.remote_graders(parsed):
@@ -240,16 +255,17 @@ def check_agent(agent: AgentSpec, *, param: str, settings: Settings) -> None:
     if agent.environment is not None:
         source = agent.environment.source
         where = f"{param}.environment.source"
+        config = sandbox_config(settings, dry_run=True)
         with _api_errors():
-            _grading.call_sync(lambda _: _check_environment_source(source, param=where))
+            _grading.call_sync(lambda _: _check_environment_source(source, param=where, config=config))
 
 
-def _check_environment_source(source: str, *, param: str) -> None:
+def _check_environment_source(source: str, *, param: str, config: SandboxConfig) -> None:
     try:
-        reason = sandbox_available(SANDBOX)
+        reason = sandbox_available(config)
         if reason is not None:
             raise SandboxUnavailable(reason)
-        problem = check_environment_source(source, SANDBOX)
+        problem = check_environment_source(source, config)
     except SandboxUnavailable as err:
         raise InvalidRequest(
             f"python environments cannot run on this server: {err}", param=param, code="sandbox_unavailable"
@@ -276,9 +292,11 @@ async def _grade(work: Callable[[GradingPool], T]) -> T:
         return await _grading.call(work)
 
 
-def _validate(pool: GradingPool, grader: dict[str, Any], config: RemoteConfig) -> dict[str, Any]:
+def _validate(
+    pool: GradingPool, grader: dict[str, Any], config: RemoteConfig, sandbox: SandboxConfig
+) -> dict[str, Any]:
     validated = pool.run(grader, []).grader
-    check_python_sources(validated, param="grader")
+    check_python_sources(validated, param="grader", config=sandbox)
     check_remote_graders(graders.parse_grader(validated), config, param="grader")
     return validated
 
@@ -286,8 +304,8 @@ def _validate(pool: GradingPool, grader: dict[str, Any], config: RemoteConfig) -
 async def validate(*, grader: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """The grader as it will run (defaults filled in); 400 naming the field when it is invalid (a python grader's
     source included) or cannot run on this deployment (a remote grader's model, metric or URL)."""
-    config = remote_config(settings)
-    return await _grade(lambda pool: _validate(pool, grader, config))
+    config, sandbox = remote_config(settings), sandbox_config(settings, dry_run=True)
+    return await _grade(lambda pool: _validate(pool, grader, config, sandbox))
 
 
 def _flags(errors: tuple[graders.GradeError, ...]) -> GraderRunErrors:
@@ -333,7 +351,9 @@ class _RunResult:
     token_usage: dict[str, dict[str, int]]
 
 
-def _run(pool: GradingPool, grader: dict[str, Any], sample: Sample, config: RemoteConfig) -> _RunResult:
+def _run(
+    pool: GradingPool, grader: dict[str, Any], sample: Sample, config: RemoteConfig, sandbox: SandboxConfig
+) -> _RunResult:
     """The validated grader and the sample's result: python leaves in one sandbox each, remote leaves by their
     services, the rest (and a multi's formula over the batched leaves' scores) in a grading process."""
     if not graders.batched_leaf_params(grader):  # graded in one round trip (an invalid grader: the pool names it)
@@ -341,11 +361,11 @@ def _run(pool: GradingPool, grader: dict[str, Any], sample: Sample, config: Remo
         return _RunResult(batch.grader, batch.results[0], batch.seconds[0], {})
     validated = pool.run(grader, []).grader
     parsed = graders.parse_grader(validated)  # parsed before, in a grading process: known valid and bounded
-    check_python_sources(validated, param="grader")
+    check_python_sources(validated, param="grader", config=sandbox)
     check_remote_graders(parsed, config, param="grader")
     start = time.monotonic()
     try:
-        python = grade_python_leaves(parsed, _sandbox(), [sample.output_text], [sample.item])
+        python = grade_python_leaves(parsed, _sandbox(sandbox), [sample.output_text], [sample.item])
     except SandboxUnavailable as err:
         raise InvalidRequest(
             f"python graders cannot run on this server: {err}", param="grader", code="sandbox_unavailable"
@@ -376,8 +396,8 @@ async def run(
     """Score ``model_sample`` against ``item`` as a training step would (a reward_model grader cannot: 400). A model
     grader's judge tokens are reported as OpenAI does (`token_usage`, `model_grader_token_usage_per_model`)."""
     sample = Sample(output_text=model_sample, item=item or {})
-    config = remote_config(settings)
-    run = await _grade(lambda pool: _run(pool, grader, sample, config))
+    config, sandbox = remote_config(settings), sandbox_config(settings, dry_run=True)
+    run = await _grade(lambda pool: _run(pool, grader, sample, config, sandbox))
     judge_models = [leaf.model for _, _, leaf in _judge_leaves(run.grader)]
     return GraderRunResponse(
         reward=run.result.score,

@@ -30,7 +30,7 @@ def test_grpo_trains_on_a_python_graders_rewards(random_model_dir: Path, arithme
     reason = sandbox_available()
     if reason is not None:
         pytest.fail(f"the python grader's sandbox is unavailable here: {reason}")
-    raw = make_spec(random_model_dir, arithmetic_data, max_steps=2, batch_size=2, group_size=4, eval_samples=4)
+    raw = make_spec(random_model_dir, arithmetic_data, max_steps=2, batch_size=2, group_size=4, eval_prompts=4)
     raw["method"]["grpo"]["grader"] = {
         "type": "multi",
         "name": "m",

@@ -73,6 +73,27 @@ class TestRun:
         assert {name for name, value in errors.items() if value is True} == {"python_grader_runtime_error"}
         assert "KeyError: 'missing'" in errors["python_grader_runtime_error_details"]
 
+    def test_a_numpy_grader_scores_as_on_openai(self, api: httpx.Client) -> None:
+        source = "import numpy as np\n\ndef grade(sample, item):\n    return np.mean(item['values'])\n"
+        grader = {"type": "python", "name": "mean", "source": source, "image_tag": "2025-05-08"}
+        r = api.post(RUN, json={"grader": grader, "model_sample": "x", "item": {"values": [1, 2, 4]}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["reward"] == 7 / 3 and body["sub_rewards"] == {"mean": 7 / 3}
+        assert not any(body["metadata"]["errors"].values())
+
+    def test_importing_a_package_that_is_not_there_is_a_runtime_error_with_the_import_error(
+        self, api: httpx.Client
+    ) -> None:
+        source = "import tensorflow\n\ndef grade(sample, item):\n    return 1.0\n"
+        r = api.post(RUN, json={"grader": {"type": "python", "name": "tf", "source": source}, "model_sample": "x"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        errors = body["metadata"]["errors"]
+        assert body["reward"] == 0.0
+        assert {name for name, value in errors.items() if value is True} == {"python_grader_runtime_error"}
+        assert "ModuleNotFoundError: No module named 'tensorflow'" in errors["python_grader_runtime_error_details"]
+
     def test_python_leaves_of_a_multi_grader_are_scored_in_the_sandbox(self, api: httpx.Client) -> None:
         multi = {
             "type": "multi",

@@ -45,7 +45,7 @@ from trainer.grading.remote_graders import (
     RemoteConfig,
     short,
 )
-from trainer.grading.sandbox import SandboxConfig, SandboxSession, SessionStopped
+from trainer.grading.sandbox import SandboxConfig, SandboxSession, SessionStopped, configured_sandbox
 from trainer.grading.url_policy import CLIENT_OPTIONS, Pinned, Resolver
 from trainer.spec.agent_spec import EnvironmentSpec, ToolSpec
 from trainer.spec.json_values import refuse_constant
@@ -375,7 +375,8 @@ class _Episode:
 class PythonEnvironmentExecutor:
     """Runs a job's `environment` (see the module's docstring): one sandbox per episode, from `start` to `finish`.
 
-    Limits (`config`, the python grader's `SandboxConfig`): `startup_timeout_s` for the sandbox to start and the
+    Limits (`config`, the python grader's `SandboxConfig`; unless given, this process's: `configure_sandbox`, its
+    packages folder included): `startup_timeout_s` for the sandbox to start and the
     source's top-level code to run, `sample_timeout_s` of wall time for `reset` and for each `step`, `cpu_seconds` of
     CPU time per episode, memory, processes, output and files as a grader's. Each episode holds one of the host's
     `uid_slots` while it runs: more concurrent episodes (and grading batches) than slots wait for one up to
@@ -385,7 +386,7 @@ class PythonEnvironmentExecutor:
 
     def __init__(self, spec: EnvironmentSpec, config: SandboxConfig | None = None) -> None:
         self.spec = spec
-        self.config = config or SandboxConfig()
+        self.config = config or configured_sandbox()  # this process's packages folder and limits
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
 

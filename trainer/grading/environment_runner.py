@@ -3,7 +3,9 @@
 `trainer.agents.tools.PythonEnvironmentExecutor` starts it with `trainer.grading.sandbox.SandboxSession`: the python
 grader's bubblewrap, limits and uid slots, one sandbox per episode, so the environment's state (its module's globals)
 lives for one episode and nothing of it reaches the next. Standard library only, and nothing of this project: the
-sandbox holds the interpreter's `/usr`, this file (bound read-only at `/sandbox/runner.py`) and a scratch `/tmp`.
+sandbox holds the interpreter's `/usr`, this file (bound read-only at `/sandbox/runner.py`), a scratch `/tmp` and,
+when the deployment has one, the python graders' read-only folder of packages (`--site DIR`), importable by the
+environment's code as by a grader's.
 
 The protocol is JSON lines on private copies of the original stdin and stdout; fd 0 then reads /dev/null and fd 1
 writes where fd 2 does, so nothing the environment prints or reads can reach the protocol by accident:
@@ -166,7 +168,7 @@ def encode(message: dict[str, Any]) -> bytes:
     return line
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     # Private copies of the protocol's pipes; the environment's code gets /dev/null and the output pipe in their place.
     requests = os.fdopen(os.dup(0), "rb")
     replies = os.fdopen(os.dup(1), "wb")
@@ -191,6 +193,10 @@ def main() -> None:
     if "check" in first:  # parse only (nothing of the source runs): what is wrong with it, or None
         reply({"problem": source_problem(first["check"])})
         return
+    if len(argv) == 2 and argv[0] == "--site":  # the deployment's packages (-I -S left them off sys.path)
+        import site
+
+        site.addsitedir(argv[1])
     loaded = _load(first["source"])
     if isinstance(loaded, str):
         reply({"fatal": loaded})
@@ -206,5 +212,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
     os._exit(0)  # threads the environment started do not keep the sandbox alive

@@ -6,7 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.grading import environment_runner
-from trainer.grading.sandbox import SandboxConfig, SandboxSession, SandboxUnavailable, SessionStopped
+from trainer.grading.sandbox import (
+    SandboxConfig,
+    SandboxSession,
+    SandboxUnavailable,
+    SessionStopped,
+    configured_sandbox,
+)
 
 ENVIRONMENT_RUNNER = Path(environment_runner.__file__).read_bytes()
 assert len(ENVIRONMENT_RUNNER) < 60_000, "the runner is sent to bwrap through a pipe, which must hold all of it"
@@ -21,8 +27,8 @@ def check_environment_source(source: str, config: SandboxConfig | None = None) -
     """What is wrong with an environment's source (`environment_runner.source_problem`: size, syntax, top-level
     `reset(item)` and `step(tool_call)` each taking one positional argument), or None. Parsed in a sandbox within
     `startup_timeout_s`, never in the caller (hostile source can take seconds of CPU to parse); nothing of it runs.
-    Raises SandboxUnavailable when no sandbox starts."""
-    config = config or SandboxConfig()
+    Raises SandboxUnavailable when no sandbox starts. `config`: this process's (`configure_sandbox`) unless given."""
+    config = config or configured_sandbox()
     if len(source.encode("utf-8", "surrogatepass")) > environment_runner.MAX_SOURCE_BYTES:
         return f"source is longer than {environment_runner.MAX_SOURCE_BYTES} bytes"
     session = environment_session(config)

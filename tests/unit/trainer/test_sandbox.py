@@ -524,6 +524,45 @@ class TestLimits:
         assert refused(results[1], "Cannot allocate memory")
         assert (results[3].score, results[3].kind) == (1.0, None)  # the same sandbox goes on
 
+    # `n` children of 300 MB each, together for a second: every one under its RLIMIT_AS (1 GiB here).
+    TOGETHER = (
+        "import os, time\n"
+        "def grade(sample, item):\n"
+        "    children = []\n"
+        "    for _ in range(item['n']):\n"
+        "        pid = os.fork()\n"
+        "        if pid == 0:\n"
+        "            hoard = bytearray(300 << 20)\n"
+        "            for i in range(0, len(hoard), 4096):\n"
+        "                hoard[i] = 1\n"
+        "            time.sleep(0.5)\n"
+        "            os._exit(0)\n"
+        "        children.append(pid)\n"
+        "    return float(sum(os.waitpid(pid, 0)[1] == 0 for pid in children))\n"
+    )
+
+    def test_processes_together_past_the_sandbox_memory_bound_stop_it_with_memory_limit(self) -> None:
+        config = replace(LIMITS, address_space_bytes=1 << 30, memory_bytes=512 << 20, sample_timeout_s=10.0)
+        bound = sandbox_module.memory_bound(config)
+        if bound.version is None:
+            pytest.skip(f"no whole-sandbox bound on this host: {bound.reason}")
+        bounded = PythonSandbox(config)
+        results = run(bounded, self.TOGETHER, [{"n": 4}, {"n": 1}])
+        assert [(r.score, r.kind) for r in results] == [(0.0, "memory_limit"), (1.0, None)]  # the next: a new sandbox
+        assert results[0].error == (
+            "the sandbox's processes used more than 512 MiB of memory together (its whole-sandbox bound); killed"
+        )
+        assert slot_processes() == []
+        assert "cgroup v" in bound.description(config.memory_bytes, config.processes)
+
+    def test_where_no_cgroup_is_made_the_description_says_rlimit_as_bounds_each_process(self) -> None:
+        bound = sandbox_module.memory_bound(replace(LIMITS, cgroups=False))
+        assert bound.version is None
+        assert bound.description(LIMITS.memory_bytes, LIMITS.processes) == (
+            "python sandboxes: no whole-sandbox memory bound (SandboxConfig.cgroups is off); each process is bounded "
+            f"by RLIMIT_AS, with at most {LIMITS.processes} processes of the sandbox's uid"
+        )
+
     def test_an_infinite_loop_spends_the_batch_cpu_time(self) -> None:
         busy = PythonSandbox(replace(LIMITS, cpu_seconds=1, sample_timeout_s=20.0))
         source = "def grade(sample, item):\n    while item['loop']:\n        pass\n    return 1.0\n"
@@ -649,3 +688,56 @@ class TestAvailability:
         while slot_processes() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert slot_processes() == []
+
+
+class TestCgroupCleanup:
+    """What a sandbox leaves in its slot's cgroups is killed with the slot: none of it counts against the memory and
+    process bounds of the slot's next sandbox (the cgroups of this host, where it has them: v1 as root here)."""
+
+    @staticmethod
+    def config(tmp_path: Path) -> SandboxConfig:
+        config = replace(LIMITS, uid_base=61990, uid_slots=1, slot_dir=tmp_path / "slots")
+        bound = sandbox_module.memory_bound(config)
+        assert bound.version is not None, bound.reason  # the cgroups tested here
+        return config
+
+    @staticmethod
+    def stray(group: Any) -> subprocess.Popen[bytes]:
+        """A process and its child in the slot's groups that nothing ends."""
+        argv = group.enter_argv(["/bin/sh", "-c", "sleep 3600 & wait"])
+        return subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def test_a_released_slot_kills_its_leftovers_and_the_next_sandbox_starts_clean(self, tmp_path: Path) -> None:
+        config = self.config(tmp_path)
+        with sandbox_module._uid_slot(config) as slot:
+            assert slot.group is not None
+            stray = self.stray(slot.group)
+            while len(slot.group.procs[0].read_text().split()) < 2:  # the shell and its sleep
+                time.sleep(0.01)
+        try:
+            assert stray.wait(timeout=5) == -signal.SIGKILL
+        finally:
+            stray.kill()
+            slot.group.remove()  # its sleep too, where the slot left it
+        assert [d.exists() for d in slot.group.dirs] == [False] * len(slot.group.dirs)
+        with sandbox_module._uid_slot(config) as again:
+            assert again.group is not None and again.uid == slot.uid
+            assert [p.read_text().split() for p in again.group.procs] == [[]] * len(again.group.procs)
+
+    def test_a_group_left_by_a_dead_holder_is_emptied_before_it_is_reused(self, tmp_path: Path) -> None:
+        config = self.config(tmp_path)
+        bound = sandbox_module.memory_bound(config)
+        group = sandbox_module.cgroups.make_group(bound, 61991, memory_bytes=64 << 20, processes=8)
+        assert group is not None
+        stray = self.stray(group)  # as if its holder had died without releasing the slot
+        try:
+            while not group.procs[0].read_text().split():
+                time.sleep(0.01)
+            again = sandbox_module.cgroups.make_group(bound, 61991, memory_bytes=64 << 20, processes=8)
+            assert again is not None and [p.read_text().split() for p in again.procs] == [[]] * len(again.procs)
+            assert stray.wait(timeout=5) == -signal.SIGKILL
+            again.remove()
+            assert not any(d.exists() for d in again.dirs)
+        finally:
+            stray.kill()
+            group.remove()

@@ -17,7 +17,7 @@ _PYTHON_RUNTIME_CAUSES = frozenset({"exception", "not_a_number", "non_finite", "
 def python_grade_error(grader_name: str, cause: str, error: str | None) -> GradeError:
     """The GradeError of a python grader's sample that scored no number, from the sandbox's result kind (`cause`):
     the grader's own failure (`python_runtime`: it raised, returned no finite number, or its source is unusable) or
-    the sandbox's (`python_server`: timeout, cpu_limit, output_limit, crash)."""
+    the sandbox's (`python_server`: timeout, cpu_limit, memory_limit, output_limit, crash)."""
     kind: GradeErrorKind = "python_runtime" if cause in _PYTHON_RUNTIME_CAUSES else "python_server"
     return GradeError(f"python grader {grader_name!r} ({cause}): {error or cause}; scored 0.0", kind, cause)
 
@@ -72,7 +72,10 @@ def sample_object(
     output_tools: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """OpenAI's `sample` of a python grader (and of the graders guide's `{{sample.*}}`) for a chat completion:
-    `output_text`; `output_json`, the text parsed as JSON when it is JSON (else None; NaN and infinities are not);
+    `output_text`; `output_json`, the text parsed as JSON when it is JSON (else None; NaN and infinities are not):
+    under a job's JSON `response_format` every finished answer is JSON the schema admits, so it is that answer (None
+    only for one cut by its token budget), as OpenAI gives it with structured output; without one it is still the
+    parsed text when that happens to be JSON (OpenAI's is then null), so that a grader reading it never sees less;
     `output_tools`, the tool calls of an agent episode in chat-completions shape (`{"id", "type": "function",
     "function": {"name", "arguments"}}`; none for a single reply); `choices`, the one chat-completions choice (its
     message the final answer, which calls no tool); `output_audio` None."""

@@ -150,8 +150,12 @@ class RewardModelGrader(GraderBase):
 
 
 PYTHON_IMAGE_TAGS: tuple[str, ...] = ("2025-05-08",)
-"""The `image_tag`s a python grader may name: OpenAI's. Here the image is the sandbox's interpreter and its standard
-library only (OpenAI's image also holds numpy, scipy, pandas, ...: a grader importing them fails its samples)."""
+"""The `image_tag`s a python grader may name: OpenAI's. Here "2025-05-08" (the default) is the sandbox's interpreter,
+Python 3.11, with the packages of OpenAI's image: numpy, scipy, sympy, pandas, rapidfuzz, scikit-learn, rouge-score,
+deepdiff, jsonschema, pydantic, pyyaml, nltk and sqlparse (`trainer/grading/sandbox_packages/requirements.txt`, the
+deployment's packages folder: PROXIMA_SANDBOX_PACKAGES). A grader importing a package that is not there fails as on
+OpenAI: a runtime error whose details hold the ImportError, every sample scored 0.0. A deployment that built no
+packages folder offers the standard library only."""
 MAX_PYTHON_SOURCE_BYTES = 256 * 1024
 """OpenAI's bound on a python grader's `source` ("< 256 kB"), in UTF-8 bytes (the sandbox's runner checks it too)."""
 
