@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from api.db import session_scope
-from api.orm import Job
+from api.orm import Job, now
 from api.repositories import runs, sizing
 from api.services import model_limits
 from api.settings import Settings
@@ -46,11 +46,16 @@ def dataset_message(which: str, file_id: str, *, line: int | None, detail: str) 
 
 
 def download_dataset(url: str, store: ArtifactStore, *, file_id: str, dest: Path) -> Path:
-    """The file's contents at ``dest``; :class:`JobError` ``invalid_file`` when the file was deleted since the job
-    was created or its contents are missing from the store."""
+    """The file's contents at ``dest``; :class:`JobError` ``invalid_file`` when the file was deleted or expired
+    (``expires_after``) since the job was created, or its contents are missing from the store."""
     with session_scope(url) as s:
         f = runs.get_file(s, file_id=file_id)
         key = f.storage_key if f is not None and not f.deleted else None
+        expired = f is not None and f.expires_at is not None and f.expires_at <= now()
+    if expired:
+        raise JobError(
+            ErrorCode.INVALID_FILE, f"file {file_id} expired (expires_after) before the job read it: upload it again"
+        )
     if key is None:
         raise JobError(ErrorCode.INVALID_FILE, f"file {file_id} no longer exists: upload it again and create a new job")
     try:
@@ -127,8 +132,9 @@ def _longest_prompt(
 
 def _check_lengths(folder: Path, spec: JobSpec, datasets: list[tuple[str, str, str, Path]], max_length: int) -> None:
     """Every pair (reward_model, dpo) or conversation (supervised) within ``max_length`` tokens, tokenised as the
-    trainer does; :class:`JobError` ``invalid_file`` naming the first line that is longer."""
-    from trainer.generation.encoding import encode_preferences, encode_supervised
+    trainer does, and rendered by the model's chat template without losing a field (its tools, names, tool calls);
+    :class:`JobError` ``invalid_file`` naming the first line that is not."""
+    from trainer.generation.encoding import ExampleTooLongError, encode_preferences, encode_supervised
     from trainer.generation.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(folder))
@@ -139,8 +145,9 @@ def _check_lengths(folder: Path, spec: JobSpec, datasets: list[tuple[str, str, s
                 encode_preferences(tokenizer, load_preferences(path), max_length=max_length)
             else:
                 encode_supervised(tokenizer, load_supervised(path), max_length=max_length, last_turn_only=last_only)
-        except DatasetError as err:
-            detail = f"{err.detail}; shorten it or raise max_length (at most the model's context)"
+        except DatasetError as err:  # too long, or a line the model's chat template cannot render (tools, names)
+            hint = "; shorten it or raise max_length (at most the model's context)"
+            detail = err.detail + (hint if isinstance(err, ExampleTooLongError) else "")
             raise JobError(
                 ErrorCode.INVALID_FILE, dataset_message(which, file_id, line=err.line, detail=detail), param=param
             ) from None

@@ -214,6 +214,17 @@ def test_line_checker_joins_lines_split_across_chunks(in_process_bytes: int) -> 
     with pytest.raises(LineError, match="empty"):
         checker.close()
 
+    # A message no fine-tuning method keeps whole is noted, not raised (an eval's rows may hold anything).
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}
+    lines = [{"prompt": "a"}, {"messages": [{"role": "user", "content": "b", "mood": "x"}]}, {"messages": [image]}]
+    checker = UploadChecker(in_process_bytes=in_process_bytes)
+    checker.feed(jsonl(lines))
+    checker.close()
+    assert checker.lines == 3
+    assert checker.chat_problem == (
+        "line 2: messages[0].mood is not a field of a user message (allowed: content, name, role)"
+    )
+
 
 def test_a_large_upload_is_checked_outside_the_api_process_with_the_same_outcome(
     api: httpx.Client, monkeypatch: pytest.MonkeyPatch
@@ -238,7 +249,10 @@ def test_a_large_upload_is_checked_outside_the_api_process_with_the_same_outcome
     assert r.status_code == 200 and r.json()["lines"] == n, r.text
     bad = line * (n - 2) + b"[1]\n" + line
     assert_error(upload(api, bad), 400, param="file", message_contains=f"line {n - 1}: expected a JSON object")
-    assert len(started) == 2 and 0 < started[0] < n  # each upload handed over to a child after its first lines
+    refusal = json.dumps({"messages": [{"role": "assistant", "content": "no", "refusal": "no"}]}).encode() + b"\n"
+    unkeepable = line * (n - 2) + refusal + line  # a message the child notes: the upload's purpose refuses it
+    assert_error(upload(api, unkeepable), 400, param="file", message_contains=f"line {n - 1}: messages[0].refusal")
+    assert len(started) == 3 and 0 < started[0] < n  # each upload handed over to a child after its first lines
 
 
 class TestListRetrieveDelete:

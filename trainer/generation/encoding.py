@@ -3,21 +3,30 @@
 A completion is tokenised exactly as the online RL loop samples one: the prompt through the tokenizer's chat template
 with the generation prompt (:func:`prompt_text`), then the reply's tokens and one EOS. The reward model is trained and
 scored on that same layout (EOS appended both times, rl-algorithms §4.6), DPO and supervised fine-tuning teach the
-policy the replies it will later sample.
+policy the replies it will later sample. A dataset's tools are shown through the template's ``tools``, and a turn that
+calls tools is the template's own rendering of its calls (the model's tool-call syntax), so that it too is what the
+policy would write.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from trainer.generation.rollout import Rollout, left_pad
 from trainer.spec.data import DatasetError, PreferenceItem, PromptItem, SupervisedItem
+
+
+class ExampleTooLongError(DatasetError):
+    """A pair or a conversation longer than ``max_length`` tokens (the other :class:`DatasetError` s of encoding are
+    examples the chat template cannot render faithfully, which no length fixes)."""
 
 
 class PromptTooLongError(ValueError):
@@ -149,18 +158,147 @@ def _reply_ids(tokenizer: Any, reply: str) -> list[int]:
     return [*ids, tokenizer.eos_token_id]
 
 
+# --- conversations with tools ----------------------------------------------------------------------------------
+# A dataset's messages are OpenAI's (``trainer.spec.chat``); Hugging Face chat templates take a call's arguments as
+# an object (Qwen's and Hermes' templates write ``arguments | tojson``; tiny-calc's takes either) and a content string.
+# A turn that calls tools is the template's rendering of it, from the end of its generation prompt to the EOS that
+# ends it: exactly what the policy writes (``trainer.agents.tool_calls`` parses that text back into calls).
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages in the shape chat templates read: each call's ``arguments`` decoded, a null content ``""``."""
+    out = []
+    for m in messages:
+        t = dict(m)
+        if t.get("content") is None:
+            t["content"] = ""
+        if "tool_calls" in t:
+            t["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])},
+                }
+                for c in m["tool_calls"]
+            ]
+        out.append(t)
+    return out
+
+
+def _tools_kwargs(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    return {"tools": [dict(t) for t in tools]} if tools else {}
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any]) -> str:
+    """A whole conversation through the chat template, without a generation prompt."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=False, tokenize=False, **kwargs)
+    assert isinstance(text, str)
+    return text
+
+
+_PLACEHOLDER = "Proxima placeholder reply 7e31"
+
+
+def _turn_text(tokenizer: Any, before: list[dict[str, Any]], message: dict[str, Any], kwargs: dict[str, Any]) -> str:
+    """The assistant turn ``message`` after ``before`` as the template renders it, from its generation prompt up to
+    the EOS text that ends it (the whole rest when the template writes no EOS).
+
+    What the template writes before a last turn's content (Qwen 3's empty ``<think>`` block, which it leaves out of
+    earlier turns) is left out, as a reply without calls is its content alone: the turn then reads the same as the
+    last message and inside a longer conversation."""
+    prefix = prompt_text(tokenizer, before, kwargs)
+    full = _render(tokenizer, [*before, message], kwargs)
+    probe = _render(tokenizer, [*before, {"role": "assistant", "content": _PLACEHOLDER}], kwargs)
+    if not full.startswith(prefix) or not probe.startswith(prefix):
+        raise ValueError(
+            "the chat template renders the conversation before this turn differently once the turn follows, so the "
+            "turn's tokens cannot be told apart"
+        )
+    suffix = full[len(prefix) :]
+    lead = probe[len(prefix) :].split(_PLACEHOLDER)[0] if _PLACEHOLDER in probe else ""
+    if lead and suffix.startswith(lead):
+        suffix = suffix[len(lead) :]
+    eos = tokenizer.eos_token or ""
+    at = suffix.find(eos) if eos else -1
+    return suffix if at < 0 else suffix[:at]
+
+
+def _calls_turn(
+    tokenizer: Any, before: list[dict[str, Any]], message: dict[str, Any], kwargs: dict[str, Any], where: str
+) -> str:
+    """:func:`_turn_text` of a turn that calls tools; a template that renders no calls is an error naming the
+    field."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}.tool_calls: the model has no chat template to write tool calls with")
+    try:
+        text = _turn_text(tokenizer, before, message, kwargs)
+        without = _turn_text(tokenizer, before, {**message, "tool_calls": []}, kwargs)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    if text == without:
+        raise ValueError(f"{where}.tool_calls: the model's chat template does not render tool calls")
+    return text
+
+
+def _reply_text(
+    tokenizer: Any, before: list[dict[str, Any]], message: dict[str, Any], kwargs: dict[str, Any], where: str
+) -> str:
+    """The text of a reply the policy is trained to write: its content, or the rendered turn when it calls tools."""
+    if message.get("tool_calls"):
+        return _calls_turn(tokenizer, before, message, kwargs, where)
+    return str(message["content"])
+
+
+def check_rendered(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None, key: str
+) -> None:
+    """Nothing of a conversation is lost in rendering: its ``tools``, every message's ``name`` and every tool message
+    appear in the chat template's text; a ``ValueError`` names the field the template drops."""
+    kwargs = _tools_kwargs(tools)
+    if not getattr(tokenizer, "chat_template", None):
+        if tools:
+            raise ValueError("tools: the model has no chat template to show tools with")
+        for k, m in enumerate(messages):
+            if "name" in m or m["role"] == "tool":
+                field = "name" if "name" in m else "role"
+                raise ValueError(f"{key}[{k}].{field}: the model has no chat template to render it with")
+        return
+    full = _render(tokenizer, messages, kwargs)
+    if tools and full == _render(tokenizer, messages, {}):
+        raise ValueError("tools: the model's chat template does not render tools, so the model would never see them")
+    for k, m in enumerate(messages):
+        if "name" in m:
+            unnamed = [*messages[:k], {f: v for f, v in m.items() if f != "name"}, *messages[k + 1 :]]
+            if _render(tokenizer, unnamed, kwargs) == full:
+                raise ValueError(f"{key}[{k}].name: the model's chat template does not render names; remove it")
+        if m["role"] == "tool" and m["content"]:
+            before = _render(tokenizer, messages[:k], kwargs) if k else ""
+            upto = _render(tokenizer, messages[: k + 1], kwargs)
+            if upto.startswith(before) and m["content"] not in upto[len(before) :]:
+                raise ValueError(f"{key}[{k}]: the model's chat template does not render tool messages")
+
+
+def _problem(err: Exception) -> str:
+    """A template's own refusal (``raise_exception`` in Jinja, e.g. roles that must alternate) is the line's problem."""
+    return f"the model's chat template refuses this conversation: {err}" if isinstance(err, TemplateError) else str(err)
+
+
 def encode_preferences(
     tokenizer: Any, items: list[PreferenceItem], *, max_length: int, path: str = ""
 ) -> list[EncodedPair]:
-    """Tokenise every pair; a prompt plus a reply longer than ``max_length`` tokens is a :class:`DatasetError` (a
-    pair is never truncated: a cut reply would train on a different text, rl-algorithms §4.8)."""
+    """Tokenise every pair: the prompt (its ``tools`` shown) through the chat template, each reply as the policy
+    writes it (a turn with tool calls in the template's syntax) and EOS. A prompt plus a reply longer than
+    ``max_length`` tokens is a :class:`DatasetError` (a pair is never truncated: a cut reply would train on a
+    different text, rl-algorithms §4.8)."""
     out = []
     for it in items:
-        prompt_ids, chosen = encode_completion(tokenizer, it.prompt, it.chosen)
-        _, rejected = encode_completion(tokenizer, it.prompt, it.rejected)
+        try:
+            prompt_ids, chosen, rejected = _pair_tokens(tokenizer, it)
+        except (ValueError, TemplateError) as err:
+            raise DatasetError(_problem(err), line=it.line, path=path) from None
         n = len(prompt_ids) + max(len(chosen), len(rejected))
         if n > max_length:
-            raise DatasetError(
+            raise ExampleTooLongError(
                 f"the prompt and its longer reply are {n} tokens, more than max_length = {max_length}",
                 line=it.line,
                 path=path,
@@ -169,56 +307,92 @@ def encode_preferences(
     return out
 
 
+def _pair_tokens(tokenizer: Any, it: PreferenceItem) -> tuple[list[int], list[int], list[int]]:
+    if not it.tools and not it.chosen_tool_calls and not it.rejected_tool_calls and _plain(it.prompt):
+        prompt_ids, chosen = encode_completion(tokenizer, it.prompt, it.chosen)
+        return prompt_ids, chosen, _reply_ids(tokenizer, it.rejected)
+    msgs, kwargs = template_messages(it.prompt), _tools_kwargs(it.tools)
+    check_rendered(tokenizer, msgs, it.tools, "the prompt's messages")
+    prompt_ids = list(tokenizer(prompt_text(tokenizer, msgs, kwargs), add_special_tokens=False)["input_ids"])
+    replies = [
+        _reply_text(tokenizer, msgs, template_messages([m])[0], kwargs, key)
+        for m, key in ((it.chosen_message(), "preferred_output[0]"), (it.rejected_message(), "non_preferred_output[0]"))
+    ]
+    return prompt_ids, _reply_ids(tokenizer, replies[0]), _reply_ids(tokenizer, replies[1])
+
+
+def _plain(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Messages of role and content only, which every template (and none) renders."""
+    return all(set(m) == {"role", "content"} and m["role"] != "tool" for m in messages)
+
+
 def encode_supervised(
     tokenizer: Any, items: list[SupervisedItem], *, max_length: int, last_turn_only: bool = False, path: str = ""
 ) -> list[EncodedExample]:
-    """Tokenise every conversation: the context of the final assistant turn through the chat template, then that
-    reply and EOS. Earlier trained assistant turns are found in the rendered context by their text and their tokens
-    become targets too (unless ``last_turn_only``). Longer than ``max_length`` tokens is a :class:`DatasetError`."""
+    """Tokenise every conversation (its ``tools`` shown): the context of the final assistant turn through the chat
+    template, then that reply (a turn with tool calls as the template writes it) and EOS. Earlier trained assistant
+    turns are found in the rendered context by their text, with the EOS that ends them, and their tokens become
+    targets too (unless ``last_turn_only``). Longer than ``max_length`` tokens is a :class:`DatasetError`."""
     out = []
     for it in items:
-        k_last = len(it.messages) - 1
-        context = prompt_text(tokenizer, it.messages[:k_last])
-        spans = []
-        for k, m in enumerate(it.messages[:k_last]):
-            if not it.trained[k] or last_turn_only or not m["content"]:
-                continue
-            before = prompt_text(tokenizer, it.messages[:k])
-            start = context.find(m["content"], len(before)) if context.startswith(before) else -1
-            if start < 0:
-                raise DatasetError(
-                    f"messages[{k}]: the chat template does not render this assistant turn verbatim, so its tokens "
-                    "cannot be found; set assistant_turns: last or give it weight 0",
-                    line=it.line,
-                    path=path,
-                )
-            spans.append((start, start + len(m["content"])))
-        if spans:
-            if not getattr(tokenizer, "is_fast", False):
-                raise DatasetError(
-                    "training on earlier assistant turns needs a fast tokenizer; set assistant_turns: last",
-                    line=it.line,
-                    path=path,
-                )
-            enc = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
-            ctx_ids = list(enc["input_ids"])
-            ctx_targets = [any(s < e_span and e > s_span for s_span, e_span in spans) for s, e in enc["offset_mapping"]]
-        else:
-            ctx_ids = list(tokenizer(context, add_special_tokens=False)["input_ids"])
-            ctx_targets = [False] * len(ctx_ids)
-        reply = it.messages[k_last]["content"]
-        reply_ids = _reply_ids(tokenizer, reply)
-        ids = ctx_ids + reply_ids
-        targets = ctx_targets + [it.trained[k_last]] * len(reply_ids)
+        try:
+            ids, targets = _conversation_tokens(tokenizer, it, last_turn_only=last_turn_only)
+        except (ValueError, TemplateError) as err:
+            raise DatasetError(_problem(err), line=it.line, path=path) from None
         targets[0] = False  # the first token is predicted by nothing
         if len(ids) > max_length:
-            raise DatasetError(
+            raise ExampleTooLongError(
                 f"the conversation is {len(ids)} tokens, more than max_length = {max_length}", line=it.line, path=path
             )
         if not any(targets):
             raise DatasetError("no token to train on", line=it.line, path=path)
         out.append(EncodedExample(ids, targets, it.line))
     return out
+
+
+def _conversation_tokens(tokenizer: Any, it: SupervisedItem, *, last_turn_only: bool) -> tuple[list[int], list[bool]]:
+    """(ids, targets) of one conversation; ``ValueError`` names the message that cannot be encoded."""
+    msgs, kwargs = template_messages(it.messages), _tools_kwargs(it.tools)
+    if it.tools or not _plain(it.messages):
+        check_rendered(tokenizer, msgs, it.tools, "messages")
+    k_last = len(msgs) - 1
+    context = prompt_text(tokenizer, msgs[:k_last], kwargs)
+    spans = []
+    for k in range(k_last):
+        if it.trained[k] and not last_turn_only and (span := _turn_span(tokenizer, msgs, k, context, kwargs)):
+            spans.append(span)
+    if spans:
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("training on earlier assistant turns needs a fast tokenizer; set assistant_turns: last")
+        enc = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
+        ctx_ids = list(enc["input_ids"])
+        ctx_targets = [any(s < e_span and e > s_span for s_span, e_span in spans) for s, e in enc["offset_mapping"]]
+    else:
+        ctx_ids = list(tokenizer(context, add_special_tokens=False)["input_ids"])
+        ctx_targets = [False] * len(ctx_ids)
+    reply = _reply_text(tokenizer, msgs[:k_last], msgs[k_last], kwargs, f"messages[{k_last}]")
+    reply_ids = _reply_ids(tokenizer, reply)
+    return ctx_ids + reply_ids, ctx_targets + [it.trained[k_last]] * len(reply_ids)
+
+
+def _turn_span(
+    tokenizer: Any, msgs: list[dict[str, Any]], k: int, context: str, kwargs: dict[str, Any]
+) -> tuple[int, int] | None:
+    """Where the earlier assistant turn ``k`` lies in the rendered ``context`` (characters), its ending EOS included
+    when the template writes one right after it; None for an empty turn."""
+    m, eos = msgs[k], tokenizer.eos_token or ""
+    text = _calls_turn(tokenizer, msgs[:k], m, kwargs, f"messages[{k}]") if m.get("tool_calls") else m["content"]
+    if not text:
+        return None
+    before = prompt_text(tokenizer, msgs[:k], kwargs)
+    start = context.find(text, len(before)) if context.startswith(before) else -1
+    if start < 0:
+        raise ValueError(
+            f"messages[{k}]: the chat template does not render this assistant turn verbatim, so its tokens "
+            "cannot be found; set assistant_turns: last or give it weight 0"
+        )
+    stop = start + len(text)
+    return start, stop + len(eos) if eos and context.startswith(eos, stop) else stop
 
 
 def pack_examples(lengths: list[int], max_length: int) -> list[list[int]]:
