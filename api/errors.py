@@ -45,6 +45,12 @@ class Unauthorized(ApiError):
     type = "authentication_error"
 
 
+class Forbidden(ApiError):
+    """The caller may see the object but not do this to it (OpenAI's 403 on deleting a model it does not own)."""
+
+    status = 403
+
+
 class NotFound(ApiError):
     status = 404
 
@@ -105,6 +111,7 @@ class ErrorResponse(BaseModel):
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: `error.param` names the parameter or field",
     401: "Missing or incorrect API key",
+    403: "The object may be used but not changed this way (a base model or a checkpoint is not deletable)",
     404: "No such object (another tenant's object is not found either)",
     409: "The object's state does not allow this",
     413: "The request body is over its size limit",

@@ -14,13 +14,16 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from sqlalchemy import Row
 
 from api import ids
+from api.openai_metrics import openai_names, validates_on_whole_file
 from api.orm import Checkpoint, File, Job, JobEvent
 from api.status import JobStatus
 from trainer.spec import config, json_values
 
 T = TypeVar("T")
 
-FILE_PURPOSES = ("fine-tune",)  # what a client may upload; the worker adds `fine-tune-results`
+FILE_PURPOSES = ("fine-tune", "evals")  # what a client may upload; the worker adds `fine-tune-results`
+# OpenAI's range for `expires_after.seconds` on upload: an hour to thirty days.
+FILE_EXPIRY_MIN_SECONDS, FILE_EXPIRY_MAX_SECONDS = 3600, 2_592_000
 
 
 class _Request(BaseModel):
@@ -98,6 +101,7 @@ class FileObject(BaseModel):
             created_at=row.created_at,
             filename=row.filename,
             purpose=row.purpose,
+            expires_at=row.expires_at,
             lines=row.lines,
         )
 
@@ -138,8 +142,8 @@ class JobCreate(_Request):
         None,
         description='(extension) what the job runs on: `{"gpus": N}`, N devices training it data parallel (the '
         "deployment's `PROXIMA_MAX_JOB_GPUS` at most); `\"shard_base\": true` shards the frozen base's weights "
-        'across them (FSDP2; grpo, dr_grpo, dapo, rloo, reinforce and ppo, single-turn), and `"gather_for_generation": '
-        "true` gathers it whole for each generation. Default one device",
+        "across them (FSDP2; grpo, reinforcement, dr_grpo, dapo, rloo, reinforce and ppo, single-turn), and "
+        '`"gather_for_generation": true` gathers it whole for each generation. Default one device',
     )
     integrations: list[Any] | None = Field(
         None,
@@ -275,13 +279,16 @@ class JobEventObject(BaseModel):
 
     @classmethod
     def from_row(cls, row: JobEvent) -> JobEventObject:
+        data = row.data
+        if row.type == "metrics" and data:  # a step's metrics: OpenAI's names beside ours (api.openai_metrics)
+            data = {**data, **openai_names(data, full_validation=False)}
         return cls(
             id=row.id,
             created_at=row.created_at,
             level=row.level,  # type: ignore[arg-type]
             message=row.message,
             type=row.type,  # type: ignore[arg-type]
-            data=row.data,
+            data=data,
         )
 
 
@@ -292,17 +299,23 @@ class CheckpointObject(BaseModel):
     fine_tuned_model_checkpoint: str
     fine_tuning_job_id: str
     step_number: int
-    metrics: dict[str, float]
+    metrics: dict[str, float] = Field(
+        description="the step's metrics under our names (trainer.spec.metrics) and, where one of ours measures the "
+        "same thing, under OpenAI's (FineTuningJobCheckpoint.Metrics: train_loss, valid_loss, ...; RFT's "
+        "train_reward_mean, valid_reward_mean); a name whose quantity is not measured is absent"
+    )
 
     @classmethod
     def from_row(cls, row: Checkpoint, *, job: Job) -> CheckpointObject:
+        ours = row.metrics or {}
+        full = validates_on_whole_file(job.spec or {})
         return cls(
             id=row.id,
             created_at=row.created_at,
             fine_tuned_model_checkpoint=f"{fine_tuned_model_name(job)}:ckpt-step-{row.step_number}",
             fine_tuning_job_id=row.job_id,
             step_number=row.step_number,
-            metrics={"step": float(row.step_number), **(row.metrics or {})},
+            metrics={"step": float(row.step_number), **ours, **openai_names(ours, full_validation=full)},
         )
 
 
@@ -395,6 +408,14 @@ class ModelObject(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+
+
+class ModelDeleted(BaseModel):
+    """OpenAI's answer to ``DELETE /v1/models/{model}``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    deleted: bool
 
 
 # ---------------------------------------------------------------------------------------------------------------

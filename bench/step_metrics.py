@@ -32,15 +32,23 @@ def _specs(model: str, data: Path) -> dict[str, dict[str, Any]]:
         "reference": "{{item.answer}}",
         "operation": "eq",
     }
-    common = {"max_steps": STEPS, "checkpoint_interval": STEPS, "eval_samples": 16, "precision": "auto"}
-    rl = {**common, "batch_size": 4, "group_size": 4, "max_completion_tokens": 8, "learning_rate": 3e-4}
+    common = {"max_steps": STEPS, "checkpoint_interval": STEPS, "precision": "auto"}
+    # 16 validation examples each: the online methods' eval_samples is OpenAI's (completions per prompt).
+    rl = {
+        **common,
+        "eval_prompts": 16,
+        "batch_size": 4,
+        "group_size": 4,
+        "max_completion_tokens": 8,
+        "learning_rate": 3e-4,
+    }
     return {
         "grpo": {"grader": grader, "hyperparameters": {**rl, "eval_interval": 2}},
         "ppo": {
             "grader": grader,
             "hyperparameters": {**rl, "group_size": 1, "batch_size": 8, "mini_batches": 2, "iterations_per_batch": 2},
         },
-        "dpo": {"hyperparameters": {**common, "batch_size": 8, "eval_interval": 2}},
+        "dpo": {"hyperparameters": {**common, "eval_samples": 16, "batch_size": 8, "eval_interval": 2}},
     } | {"_files": {"model": model, "data": str(data)}}  # type: ignore[dict-item]
 
 

@@ -55,7 +55,7 @@ class Progress:
         hp = job.spec.method.hyperparameters
         return Cadence(
             total_steps=self.total_steps or 0,
-            eval_interval=hp.eval_interval,
+            eval_interval=hp.eval_every(self.total_steps or 0),
             checkpoint_interval=hp.checkpoint_interval,
             validates=job.validation_file is not None,
         )

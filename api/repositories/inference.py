@@ -4,7 +4,7 @@ then forwarded to the inference server."""
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, Row, select
+from sqlalchemy import Connection, Row, case, select
 
 from api.orm import Checkpoint, File, Job
 from api.status import JobStatus
@@ -21,10 +21,12 @@ CheckpointKey = Row[str, str]
 
 def job(conn: Connection, *, tenant_id: str, job_id: str) -> JobNames | None:
     """The columns that name the tenant's job's models: id, tenant_id, model, suffix, status, fine_tuned_model,
-    result_files."""
-    stmt = select(
-        Job.id, Job.tenant_id, Job.model, Job.suffix, Job.status, Job.fine_tuned_model, Job.result_files
-    ).where(Job.id == job_id, Job.tenant_id == tenant_id)
+    result_files. ``fine_tuned_model`` is None once the tenant deleted the model (``DELETE /v1/models/{model}``): it
+    no longer resolves, while the job's checkpoints still do."""
+    live_model = case((Job.model_deleted_at.is_(None), Job.fine_tuned_model), else_=None).label("fine_tuned_model")
+    stmt = select(Job.id, Job.tenant_id, Job.model, Job.suffix, Job.status, live_model, Job.result_files).where(
+        Job.id == job_id, Job.tenant_id == tenant_id
+    )
     return conn.execute(stmt).one_or_none()
 
 
@@ -44,6 +46,12 @@ def final_adapter_key(conn: Connection, *, tenant_id: str, file_ids: list[str]) 
     )
     key = conn.execute(stmt).scalar_one_or_none()
     return None if key is None else str(key)
+
+
+def checkpoint_created_at(conn: Connection, *, checkpoint_id: str) -> int | None:
+    """When the checkpoint was made (its model object's ``created``)."""
+    created = conn.execute(select(Checkpoint.created_at).where(Checkpoint.id == checkpoint_id)).scalar_one_or_none()
+    return None if created is None else int(created)
 
 
 def checkpoint(conn: Connection, *, job_id: str, step: int) -> CheckpointKey | None:

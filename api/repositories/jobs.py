@@ -94,10 +94,28 @@ def succeeded_models(session: Session, *, tenant_id: str) -> list[tuple[str, int
     """(fine_tuned_model, finished_at) of the tenant's succeeded jobs, newest first."""
     rows = session.execute(
         select(Job.fine_tuned_model, Job.finished_at, Job.created_at)
-        .where(Job.tenant_id == tenant_id, Job.status == JobStatus.SUCCEEDED, Job.fine_tuned_model.is_not(None))
+        .where(
+            Job.tenant_id == tenant_id,
+            Job.status == JobStatus.SUCCEEDED,
+            Job.fine_tuned_model.is_not(None),
+            Job.model_deleted_at.is_(None),
+        )
         .order_by(Job.created_at.desc())
     )
     return [(str(m), int(f or c)) for m, f, c in rows]
+
+
+def mark_model_deleted(session: Session, *, job: Job) -> bool:
+    """Record that the tenant deleted the job's fine-tuned model (once: a second delete changes nothing); whether this
+    call recorded it."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.model_deleted_at.is_(None))
+        .values(model_deleted_at=now())
+        .execution_options(synchronize_session=False)
+    )
+    session.refresh(job)
+    return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 # -- events ---------------------------------------------------------------------------------------------------

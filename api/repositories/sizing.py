@@ -48,17 +48,17 @@ class MeasuredJob:
 
 
 def measured_jobs(
-    session: Session, *, model: str, method: str, jobs: int = 20, steps_per_job: int = 50
+    session: Session, *, model: str, methods: list[str], jobs: int = 20, steps_per_job: int = 50
 ) -> list[MeasuredJob]:
-    """The ``jobs`` most recently started jobs of any tenant on ``model`` with ``method`` that recorded training
-    steps, each with the metrics of its latest ``steps_per_job`` steps (step 0, validation only, left out)."""
+    """The ``jobs`` most recently started jobs of any tenant on ``model`` with one of ``methods`` that recorded
+    training steps, each with the metrics of its latest ``steps_per_job`` steps (step 0, validation only, left out)."""
     has_steps = exists().where(JobMetric.job_id == Job.id, JobMetric.step > 0)
     recent = list(
         session.execute(
             select(Job.id, Job.spec)
             .where(
                 Job.model == model,
-                Job.spec["method"]["type"].as_string() == method,
+                Job.spec["method"]["type"].as_string().in_(methods),
                 Job.started_at.is_not(None),
                 has_steps,
             )

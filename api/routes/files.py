@@ -13,7 +13,15 @@ from starlette.requests import ClientDisconnect
 from api.deps import SessionDep, SettingsDep, StoreDep, TenantDep
 from api.errors import InvalidRequest, responses
 from api.multipart import MultipartError, MultipartUpload, boundary_of, request_chunks
-from api.schemas import FILE_PURPOSES, CursorListObject, FileDeleted, FileObject, cursor_list
+from api.schemas import (
+    FILE_EXPIRY_MAX_SECONDS,
+    FILE_EXPIRY_MIN_SECONDS,
+    FILE_PURPOSES,
+    CursorListObject,
+    FileDeleted,
+    FileObject,
+    cursor_list,
+)
 from api.services import files as files_service
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -51,6 +59,14 @@ UPLOAD_BODY = {
                 "properties": {
                     "file": {"type": "string", "contentMediaType": "application/octet-stream", "title": "File"},
                     "purpose": {"type": "string", "enum": list(FILE_PURPOSES), "title": "Purpose"},
+                    # OpenAI's `expires_after` {anchor, seconds}, in the brackets its clients send a nested field in
+                    "expires_after[anchor]": {"type": "string", "enum": ["created_at"], "title": "Expiry anchor"},
+                    "expires_after[seconds]": {
+                        "type": "integer",
+                        "minimum": FILE_EXPIRY_MIN_SECONDS,
+                        "maximum": FILE_EXPIRY_MAX_SECONDS,
+                        "title": "Seconds after the anchor when the file is deleted",
+                    },
                 },
                 "required": ["file", "purpose"],
             }

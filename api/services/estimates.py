@@ -27,7 +27,15 @@ from api.schemas import EstimateBasis, JobCreate, JobEstimate
 from api.services import jobs as jobs_service
 from api.settings import Settings
 from trainer.spec import metrics as M
-from trainer.spec.config import RL_METHODS, Hyperparameters, JobSpec, RLHyperparameters, trained_examples
+from trainer.spec.config import (
+    METHODS,
+    RL_METHODS,
+    Hyperparameters,
+    JobSpec,
+    RLHyperparameters,
+    recipe_name,
+    trained_examples,
+)
 
 VALIDATION_PREFIX = "val/"  # the validation series (trainer.spec.metrics.validation): a step that ran one is slower
 RL_STEP = "batch_size × samples_per_prompt × max_completion_tokens"
@@ -71,7 +79,10 @@ def estimate(*, session: Session, settings: Settings, tenant: Caller, body: JobC
         row = files_repo.get(session, tenant_id=tenant.id, file_id=spec.training_file)
         assert row is not None  # validated_spec checked it
         total, source = hp.total_steps(trained_examples(spec, row.lines)), "training_file"
-    rate, n_jobs, n_steps = seconds_per_unit(sizing.measured_jobs(session, model=spec.model, method=method), method)
+    # A method and its OpenAI name (reinforcement, grpo) run one recipe: each one's jobs measure the other's steps.
+    same_recipe = [m for m in METHODS if recipe_name(m) == recipe_name(method)]
+    measured = sizing.measured_jobs(session, model=spec.model, methods=same_recipe)
+    rate, n_jobs, n_steps = seconds_per_unit(measured, method)
     scaled_by = RL_STEP if method in RL_METHODS else STEP
     if rate is None:
         reason = f"no {method} job on {spec.model} has recorded a timed training step on this deployment yet"

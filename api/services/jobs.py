@@ -40,7 +40,7 @@ from api.status import NOT_STARTED, TERMINAL_STATUSES, WAITING, JobStatus
 from api.storage import ArtifactStore
 from api.storage import NotFound as ArtifactNotFound
 from api.tasks import RUN_JOB, gpus_of, queue_for
-from trainer.spec.config import JobSpec, SpecError, parse_spec
+from trainer.spec.config import JobSpec, SpecError, parse_spec, trained_examples
 
 log = logging.getLogger("proxima.api.jobs")
 
@@ -129,6 +129,10 @@ def _check_dataset_file(session: Session, *, tenant: Caller, file_id: str, param
     """The cheap checks a request makes: the file exists, is the tenant's and is a dataset (its lines are the
     worker's to validate)."""
     row = files_repo.get(session, tenant_id=tenant.id, file_id=file_id)
+    if row is None and files_repo.get_expired(session, tenant_id=tenant.id, file_id=file_id) is not None:
+        raise InvalidRequest(
+            f"file '{file_id}' has expired (its expires_after): upload it again", param=param, code="file_expired"
+        )
     if row is None:  # another tenant's file does not exist either
         raise InvalidRequest(f"No such file: '{file_id}'", param=param, code="file_not_found")
     if row.purpose != "fine-tune":
@@ -154,6 +158,10 @@ def _resolve_reward_models(session: Session, *, tenant: Caller, spec: JobSpec) -
                 f"no reward model {ref!r}: give the id or the fine-tuned model name of a reward_model job",
                 param=param,
                 code="invalid_reward_model",
+            )
+        if job.model_deleted_at is not None:  # deleted by its tenant: gone for new jobs, as for chat completions
+            raise InvalidRequest(
+                f"reward model {ref!r}: its fine-tuned model was deleted", param=param, code="invalid_reward_model"
             )
         method = JobSpec.from_stored(job.spec).method.type
         if method != "reward_model":
@@ -233,6 +241,7 @@ def validated_spec(
     if spec.validation_file is not None:
         _check_dataset_file(session, tenant=tenant, file_id=spec.validation_file, param="validation_file")
     spec, created_data = _fit_lengths(spec, settings=settings, body=body)
+    spec = _resolve_eval_interval(session, tenant=tenant, spec=spec)
     hp = spec.method.hyperparameters
     if spec.gpus > hp.batch_size:  # each device samples whole groups
         raise InvalidRequest(
@@ -242,6 +251,19 @@ def validated_spec(
             code="invalid_spec",
         )
     return spec, created_data
+
+
+def _resolve_eval_interval(session: Session, *, tenant: Caller, spec: JobSpec) -> JobSpec:
+    """``eval_interval: "auto"`` replaced by the interval it picks from the run's length (``Hyperparameters.eval_every``
+    over the training file's records), so that the stored spec, the worker's finish estimate and the job object all
+    hold the number the run uses."""
+    hp = spec.method.hyperparameters
+    if hp.eval_interval != "auto":
+        return spec
+    row = files_repo.get(session, tenant_id=tenant.id, file_id=spec.training_file)
+    assert row is not None  # _check_dataset_file found it
+    total_steps = hp.total_steps(trained_examples(spec, row.lines))
+    return spec.with_hyperparameters({"eval_interval": hp.eval_every(total_steps)})
 
 
 def _check_method(spec: JobSpec, *, settings: Settings) -> None:

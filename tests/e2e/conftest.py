@@ -54,7 +54,7 @@ def grpo_spec(model: str, *, steps: int = 6, **hp: Any) -> dict[str, Any]:
         "group_size": 4,
         "max_completion_tokens": 6,
         "checkpoint_interval": 1,
-        "eval_samples": 4,
+        "eval_prompts": 4,
         "precision": "fp32",
         "learning_rate": 1e-2,
         **hp,

@@ -66,7 +66,7 @@ def hyperparameters(*, steps: int, **overrides: Any) -> dict[str, Any]:
         "max_completion_tokens": 4,
         "checkpoint_interval": 2,
         "eval_interval": 2,
-        "eval_samples": 4,
+        "eval_prompts": 4,
         "precision": "fp32",
         "learning_rate": 1e-2,
         **overrides,

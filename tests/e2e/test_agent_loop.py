@@ -255,6 +255,33 @@ def test_an_episode_of_one_turn_trains_exactly_as_a_single_reply(
     assert m_tools[M.EPISODE_TURNS_MEAN] == 1.0 and m_tools[M.EPISODE_TOOL_CALL_RATE] == 0.0
 
 
+def test_sampled_agent_validation_leaves_the_training_as_it_is(
+    random_calc_model_dir: Path, calc_data: Path, calculator: str, tmp_path: Path
+) -> None:
+    """eval_samples 3 samples the validation episodes at the job's temperature from the validation's own RNG: with
+    LoRA dropout on (which draws from torch's global RNG), the training's metrics and adapter equal those of a run
+    validating with one greedy episode a prompt."""
+    runs = []
+    for k in (3, 1):
+        hp = {"max_steps": 2, "batch_size": 2, "group_size": 2, "eval_prompts": 2}
+        raw = agent_spec(
+            random_calc_model_dir, calc_data, [calculator_server.calculator_tool(calculator)], eval_samples=k, **hp
+        )
+        raw["method"]["grpo"].update(max_episode_steps=2, lora={"r": 4, "dropout": 0.5})
+        raw["method"]["grpo"]["hyperparameters"].update(max_completion_tokens=8, eval_interval=1)
+        t = RLTrainer(parse_spec(raw), output_dir=tmp_path / str(k), callback=BaseCallback())
+        steps = [t.step(1), t.step(2)]
+        assert all(M.VAL_REWARD_MEAN in m for m in steps)
+        runs.append(([_training_metrics(m) for m in steps], [p.detach().clone() for p in t.models.params]))
+    (m_sampled, p_sampled), (m_greedy, p_greedy) = runs
+    assert m_sampled == m_greedy
+    assert all(torch.equal(a, b) for a, b in zip(p_sampled, p_greedy, strict=True))
+
+
+def _training_metrics(m: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in m.items() if not k.startswith("val/") and k not in M.TIMING_METRICS}
+
+
 # -- faults: a tool server that is slow, down or answers garbage --------------------------------------------------
 
 

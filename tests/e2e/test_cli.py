@@ -236,7 +236,7 @@ def test_proxima_train_runs_an_agent_job_against_proxima_tools_calculator(tiny_c
                         "group_size": 4,
                         "max_completion_tokens": 40,
                         "eval_interval": 2,
-                        "eval_samples": 8,
+                        "eval_prompts": 8,
                     },
                 },
             },

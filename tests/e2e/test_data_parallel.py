@@ -182,7 +182,7 @@ def test_two_ranks_sharing_a_sharded_base_train_what_one_unsharded_does(
         "micro_batch_size": 1,
         "checkpoint_interval": 3,
         "eval_interval": 3,
-        "eval_samples": 5,
+        "eval_prompts": 5,
         "max_completion_tokens": 32,
     }  # fmt: skip  (the random model's EOS: the ranks' rows end at different steps)
     if critic is not None:  # PPO at μ = 1, as the others: its default μ = 4 makes 12 Adam steps of a step, over which

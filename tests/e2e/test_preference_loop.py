@@ -251,7 +251,7 @@ def test_a_trained_reward_model_is_the_grader_of_a_grpo_job(
                         "batch_size": 2,
                         "group_size": 4,
                         "max_completion_tokens": 4,
-                        "eval_samples": 4,
+                        "eval_prompts": 4,
                         "precision": "fp32",
                     },
                 },

@@ -40,7 +40,7 @@ def make_spec(model: Path, data: Path, method: str = "grpo", **hp: Any) -> dict[
         "max_completion_tokens": 6,
         "checkpoint_interval": 2,
         "eval_interval": 2,
-        "eval_samples": 8,
+        "eval_prompts": 8,
         "precision": "fp32",
         "learning_rate": 1e-2,
         **hp,
@@ -462,3 +462,60 @@ def test_a_job_whose_decode_step_cannot_be_compiled_warns_once_and_trains(
     warned = [m for level, m in rec.events if level == "warn" and "could not be compiled" in m]
     assert len(warned) == 1 and "C++ compiler" in warned[0], rec.events
     assert res.adapter_dir is not None and len(read_metrics(tmp_path)) == 3
+
+
+def validation_generations(t: RLTrainer, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, float]]:
+    """(step, rows, temperature) of every generation the trainer's validations make, appended as the run goes."""
+    seen: list[tuple[int, int, float]] = []
+    engine, validate = t.models.rollout_engine, t._validation_metrics
+    real = engine.generate
+
+    def counted(prompts: Any, params: Any, **kw: Any) -> Any:
+        seen.append((t.last_step, len(prompts), params.temperature))
+        return real(prompts, params, **kw)
+
+    def validating() -> dict[str, float]:
+        monkeypatch.setattr(engine, "generate", counted)
+        try:
+            return validate()
+        finally:
+            monkeypatch.setattr(engine, "generate", real)
+
+    monkeypatch.setattr(t, "_validation_metrics", validating)
+    return seen
+
+
+def test_openai_eval_interval_auto_and_eval_samples_validate_each_step_with_k_completions_per_prompt(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """eval_interval "auto" over 3 steps validates at every step (ceil(3 / 10) = 1, and the base policy at step 0);
+    eval_samples 2 generates 2 completions for each of the eval_prompts (3) at the job's temperature, and the training
+    samples nothing differently for it: its metrics equal those of a run with one greedy validation completion."""
+    runs, calls = {}, {}
+    for k in (2, 1):
+        hp = {"max_steps": 3, "batch_size": 2, "group_size": 2, "eval_interval": "auto", "eval_prompts": 3}
+        spec = parse_spec(make_spec(random_model_dir, arithmetic_data, eval_samples=k, **hp))
+        t = RLTrainer(spec, output_dir=tmp_path / str(k), callback=JsonlFiles(tmp_path / str(k)))
+        calls[k] = validation_generations(t, monkeypatch)
+        t.run()
+        runs[k] = read_metrics(tmp_path / str(k))
+    assert calls[2] == [(step, 3 * 2, 1.0) for step in (0, 1, 2, 3)]  # [P·k] rows at the temperature, every step
+    assert calls[1] == [(step, 3, 0.0) for step in (0, 1, 2, 3)]  # one greedy completion a prompt
+    for rows in runs.values():
+        assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(M.VAL_REWARD_MEAN in r for r in rows)
+    training = {
+        k: deterministic([{n: v for n, v in r.items() if not n.startswith("val/")} for r in runs[k]]) for k in runs
+    }
+    assert training[2] == training[1]
+
+
+def test_openais_reinforcement_method_trains_exactly_as_grpo(
+    random_model_dir: Path, arithmetic_data: Path, tmp_path: Path
+) -> None:
+    rows = {}
+    for method in ("reinforcement", "grpo"):
+        spec = parse_spec(make_spec(random_model_dir, arithmetic_data, method, max_steps=2))
+        assert spec.method.type == method and spec.method.recipe_name == "grpo"
+        train(spec, output_dir=tmp_path / method, callback=JsonlFiles(tmp_path / method))
+        rows[method] = deterministic(read_metrics(tmp_path / method))
+    assert rows["reinforcement"] == rows["grpo"] and len(rows["grpo"]) == 3

@@ -63,7 +63,9 @@ def test_preference_data_to_a_reward_model_job_to_a_ppo_job_graded_by_it(
     rm_job = rm[-1]["job_id"]
 
     grader = {"type": "reward_model", "name": "rm", "model": rm_job, "normalize": True}  # as the API stores it
+    # online RL's eval_samples is OpenAI's (completions per validation prompt): eval_prompts bounds its validation
     ppo_hp = {**FAST, "max_steps": 2, "batch_size": 4, "group_size": 2, "max_completion_tokens": 6}
+    ppo_hp["eval_prompts"] = ppo_hp.pop("eval_samples")
     ppo = run(service, spec(random_model_dir, "ppo", {"grader": grader, "hyperparameters": ppo_hp}), arithmetic_data)
     assert sorted(s for s in ppo if s >= 0) == [1, 2]
     for key in (M.reward_of("rm"), M.LOSS_VALUE, M.EXPLAINED_VARIANCE, M.KL_COEF):

@@ -49,7 +49,8 @@ def test_openai_s_reinforcement_body_with_tools_is_taken_unchanged(api: httpx.Cl
     }
     r = api.post("/v1/fine_tuning/jobs", json=body)
     assert r.status_code == 200, r.text
-    assert r.json()["method"]["grpo"]["tools"] == tools
+    assert r.json()["method"]["type"] == "reinforcement"  # the name it was created with, as OpenAI answers it
+    assert r.json()["method"]["reinforcement"]["tools"] == tools
 
 
 @pytest.mark.parametrize(
@@ -143,4 +144,6 @@ def test_the_official_client_creates_an_agent_job_unchanged(base_url: str, tenan
         again = raw.parse()
     assert job.status in ("validating_files", "queued") and again.id == job.id
     block = raw.http_response.json()["method"]
-    assert block["type"] == "grpo" and block["grpo"]["tools"] == tools and block["grpo"]["max_episode_steps"] == 10
+    assert block["type"] == "reinforcement" and block["reinforcement"]["tools"] == tools
+    assert block["reinforcement"]["max_episode_steps"] == 10
+    assert again.method is not None and again.method.reinforcement is not None  # the SDK's typed block

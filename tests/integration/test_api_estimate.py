@@ -149,11 +149,13 @@ def history(est_settings: Any, owner: Tenant, other: Tenant) -> None:
 RATE = (2.0 / 128 + 0.6 / 32) / 2  # the median of the two jobs' seconds per unit
 
 
-def body(training_file: str, hp: dict[str, Any] | None = None, *, model: str = MODEL) -> dict[str, Any]:
+def body(
+    training_file: str, hp: dict[str, Any] | None = None, *, model: str = MODEL, method: str = "grpo"
+) -> dict[str, Any]:
     return {
         "model": model,
         "training_file": training_file,
-        "method": {"type": "grpo", "grpo": {"grader": GRADER, "hyperparameters": hp or {}}},
+        "method": {"type": method, method: {"grader": GRADER, "hyperparameters": hp or {}}},
     }
 
 
@@ -181,6 +183,15 @@ class TestEstimate:
         assert "ftjob-" not in response.text
         assert estimate["hyperparameters"]["max_completion_tokens"] == 16
         assert estimate["hyperparameters"]["learning_rate"] == 3e-4  # resolved, defaults included
+
+    def test_reinforcement_is_measured_by_the_grpo_jobs_whose_recipe_it_runs(
+        self, api: httpx.Client, training_file: str
+    ) -> None:
+        hp = {"batch_size": 8, "group_size": 8, "max_completion_tokens": 16, "max_steps": 10}
+        estimate = api.post("/v1/fine_tuning/estimates", json=body(training_file, hp, method="reinforcement")).json()
+        assert estimate["method"] == "reinforcement"
+        assert estimate["seconds_per_step"] == pytest.approx(17.6)  # the two grpo jobs' rate, as above
+        assert (estimate["basis"]["jobs"], estimate["basis"]["steps"]) == (2, 6)
 
     def test_without_max_steps_the_steps_come_from_the_training_files_lines(
         self, api: httpx.Client, training_file: str

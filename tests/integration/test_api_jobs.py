@@ -121,7 +121,8 @@ class TestCreate:
         r = api.post("/v1/fine_tuning/jobs", json=body)
         assert r.status_code == 200, r.text
         job = r.json()
-        assert job["method"]["type"] == "grpo" and job["hyperparameters"]["n_epochs"] == 2
+        assert job["method"]["type"] == "reinforcement" and job["hyperparameters"]["n_epochs"] == 2
+        assert job["method"]["reinforcement"]["hyperparameters"]["beta"] == 0.04  # grpo's defaults
         assert isinstance(job["seed"], int)
 
     def test_dataset_not_fitting_the_method_is_accepted_then_fails_validation_naming_file_and_line(
@@ -241,6 +242,12 @@ class TestCreate:
         with db() as s:
             s.query(File).filter(File.id == training_file).update({"purpose": "fine-tune-results"})
         r = api.post("/v1/fine_tuning/jobs", json=job_body(training_file))
+        assert_error(r, 400, param="training_file", code="invalid_file_purpose")
+
+    def test_an_evals_file_is_not_a_dataset_a_400(self, api: httpx.Client) -> None:
+        evals_file = upload(api, jsonl(prompts(2)), purpose="evals")
+        assert evals_file.status_code == 200, evals_file.text  # an eval run's rows: uploaded as OpenAI takes them
+        r = api.post("/v1/fine_tuning/jobs", json=job_body(evals_file.json()["id"]))
         assert_error(r, 400, param="training_file", code="invalid_file_purpose")
 
     def test_deleted_file_is_a_400(self, api: httpx.Client, training_file: str) -> None:
@@ -416,7 +423,7 @@ class TestOutputs:
         }
         assert top["object"] == "fine_tuning.job.checkpoint" and top["step_number"] == 30
         assert top["fine_tuning_job_id"] == job_id
-        assert top["metrics"] == {"step": 30.0, "reward/mean": 3.0}
+        assert top["metrics"] == {"step": 30.0, "reward/mean": 3.0, "train_reward_mean": 3.0}  # OpenAI's RFT name too
         short = job_id.removeprefix("ftjob-")
         assert top["fine_tuned_model_checkpoint"] == f"ft:tiny-arith:{tenant_a.id}::{short}:ckpt-step-30"
 

@@ -71,6 +71,9 @@ class TestJobs:
         )
         assert job.status == "validating_files" and job.id.startswith("ftjob-") and job.seed == 3
         assert job.metadata == {"via": "openai"} and job.hyperparameters.batch_size == 2
+        assert job.method is not None and job.method.type == "reinforcement"
+        assert job.method.reinforcement is not None and job.method.reinforcement.hyperparameters is not None
+        assert job.method.reinforcement.hyperparameters.batch_size == 2
 
         assert client.fine_tuning.jobs.retrieve(job.id).id == job.id
         listed = client.fine_tuning.jobs.list(metadata={"via": "openai"})
@@ -95,6 +98,20 @@ class TestJobs:
         paused_job = client.fine_tuning.jobs.create(model="tiny-arith", training_file=train.id, method=method())
         assert client.fine_tuning.jobs.pause(paused_job.id).status == "paused"  # type: ignore[comparison-overlap]
         assert client.fine_tuning.jobs.resume(paused_job.id).status == "queued"
+
+    def test_auto_eval_interval_is_stored_as_the_interval_it_picked_from_the_runs_length(self, client: OpenAI) -> None:
+        train = client.files.create(file=("t.jsonl", io.BytesIO(jsonl(prompts(40)))), purpose="fine-tune")
+        auto = {"eval_interval": "auto", "eval_samples": "auto"}
+        by_epochs = client.fine_tuning.jobs.create(
+            model="tiny-arith", training_file=train.id, method=method(n_epochs=3, **auto)
+        )  # 3 epochs of 40 prompts in batches of 2: 60 steps, validated every ceil(60 / 10) = 6
+        by_steps = client.fine_tuning.jobs.create(
+            model="tiny-arith", training_file=train.id, method=method(max_steps=25, **auto)
+        )
+        for job, every in ((by_epochs, 6), (by_steps, 3)):
+            assert job.method is not None and job.method.reinforcement is not None
+            hp = job.method.reinforcement.hyperparameters
+            assert hp is not None and (hp.eval_interval, hp.eval_samples) == (every, None)
 
     def test_spec_errors_surface_as_bad_request_with_param(self, client: OpenAI) -> None:
         train = client.files.create(file=("t.jsonl", io.BytesIO(jsonl(prompts(2)))), purpose="fine-tune")

@@ -135,7 +135,7 @@ SHARDED = {"gpus": 2, "shard_base": True}
         ({"type": "ppo", "ppo": {"grader": GRADER, "hyperparameters": {"batch_size": 2, "value_model": "m"}}},
          SHARDED, "not a separate value_model"),
         ({"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 2}}}, SHARDED,
-         "shard_base supports grpo, dr_grpo, dapo, rloo, reinforce, ppo; not supervised"),
+         "shard_base supports grpo, reinforcement, dr_grpo, dapo, rloo, reinforce, ppo; not supervised"),
         ({"type": "dpo", "dpo": {"hyperparameters": {"batch_size": 2}}}, SHARDED, "not dpo"),
         ({"tools": True}, SHARDED, "does not run agent (multi-turn) jobs"),
         ({}, {"gpus": 2, "shard_base": "yes please"}, "valid boolean"),

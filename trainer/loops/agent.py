@@ -24,7 +24,7 @@ from trainer.agents.tools import HttpToolExecutor, PythonEnvironmentExecutor, To
 from trainer.generation.rollout import Rollout
 from trainer.generation.rollout_engine import Generation, RolloutEngine, SamplingParams
 from trainer.grading.remote_graders import RemoteConfig
-from trainer.grading.sandbox import SandboxConfig
+from trainer.grading.sandbox import configured_sandbox
 from trainer.loops.engine import cat_padded
 from trainer.loops.evaluate import EvalResult, Scores, grade_batch
 from trainer.spec import graders
@@ -88,7 +88,7 @@ class AgentRollouts:
         # episodes advance turn by turn together: more at once than there are slots would wait for slots the others
         # hold until the batch ends. The batch runs in chunks of at most that many episodes instead; the ranks of a
         # data parallel job on this host share the slots, so each takes its share.
-        slots = SandboxConfig().uid_slots
+        slots = configured_sandbox().uid_slots
         self.chunk_size = max(1, slots // max(1, ranks_on_host)) if agent.environment is not None else None
         self.executor: ToolExecutor = (
             PythonEnvironmentExecutor(agent.environment)
@@ -144,15 +144,18 @@ class AgentRollouts:
         grader: graders.Grader,
         params: SamplingParams,
         *,
+        generator: torch.Generator | None,
         batch_size: int = 64,
     ) -> tuple[EvalResult, list[Episode]]:
-        """Mean reward of one episode per prompt (greedy at temperature 0), and the episodes."""
+        """Mean reward of one episode per prompt (greedy at temperature 0), and the episodes. Sampled validation
+        draws from ``generator`` (the validation's own, :func:`~trainer.loops.evaluate.validation_generator`): torch's
+        global RNG also drives training (LoRA dropout, ...), which validating must not move."""
         episodes: list[Episode] = []
         texts: list[str] = []
         scores: list[Scores] = []
         for start in range(0, len(prompts), batch_size):
             chunk = items[start : start + batch_size]
-            batch = self.run(prompts[start : start + batch_size], chunk, params, generator=None)
+            batch = self.run(prompts[start : start + batch_size], chunk, params, generator=generator)
             scores.append(batch.grade(grader, chunk))
             episodes += batch.episodes
             texts += batch.texts

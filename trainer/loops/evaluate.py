@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -16,9 +16,8 @@ from trainer.generation.distributed import World
 from trainer.generation.models import Precision
 from trainer.generation.rollout import Rollout
 from trainer.generation.rollout_engine import HFRolloutEngine, RolloutEngine, SamplingParams
+from trainer.grading import batch, remote_graders
 from trainer.grading import pool as grading_pool
-from trainer.grading import remote_graders
-from trainer.grading.graders import grade_python_leaves
 from trainer.grading.remote_process import remote_budget, remote_config
 from trainer.grading.sandbox import PythonSandbox, SandboxUnavailable
 from trainer.loops import reward_model
@@ -92,20 +91,22 @@ def grade_batch(
     (an endpoint grader's `trace_id`)."""
     names = graders.grader_names(grader)
     rows = [it.item for it in items]
-    leaf_scores = _reward_model_scores(grader, texts, rows)
-    batched, batched_errors = _batched_leaf_scores(grader, texts, rows, reasons, output_tools, trace_ids)
-    leaf_scores |= batched
-    if graders.is_batched(grader):  # a python or remote leaf alone: nothing for the grading process to do
-        results = [
-            graders.GradeResult(score, {grader.name: score}, tuple(dict.fromkeys(errs)))
-            for score, errs in zip(leaf_scores[grader.name], batched_errors, strict=True)
-        ]
-    else:
-        results = _grade_in_pool(grader, texts, rows, leaf_scores, output_tools)
-        results = [
-            graders.GradeResult(r.score, r.sub_scores, tuple(dict.fromkeys((*errs, *r.errors)))) if errs else r
-            for r, errs in zip(results, batched_errors, strict=True)
-        ]
+    how = batch.BatchGrading(python_sandbox(), remote_config(), remote_budget(), grading_pool.default_pool())
+    try:
+        results = batch.grade_results(
+            grader,
+            texts,
+            rows,
+            reasons,
+            how=how,
+            leaf_scores=_reward_model_scores(grader, texts, rows),
+            output_tools=output_tools,
+            trace_ids=trace_ids,
+        )
+    except SandboxUnavailable as err:
+        raise graders.GraderFailed(f"python graders cannot run on this worker: {err}") from None
+    except remote_graders.BudgetSpent as err:
+        raise graders.GraderFailed(str(err)) from None
     rewards = torch.tensor([res.score for res in results], dtype=torch.float32)
     sub = {n: torch.zeros(len(texts), dtype=torch.float32) for n in names}
     for i, res in enumerate(results):
@@ -127,58 +128,6 @@ def _reward_model_scores(
             by_model[same] = reward_model.score_samples(leaf, texts, rows)
         scores[key] = by_model[same].tolist()
     return scores
-
-
-def _batched_leaf_scores(
-    grader: graders.Grader,
-    texts: Sequence[str],
-    rows: list[dict[str, Any]],
-    reasons: Sequence[graders.FinishReason] | None,
-    output_tools: Sequence[Sequence[Mapping[str, Any]]] | None,
-    trace_ids: Sequence[str] | None,
-) -> tuple[dict[str, list[float]], list[list[graders.GradeError]]]:
-    """The python leaves' scores (one sandbox for the batch) and the remote leaves' (concurrent requests) by key,
-    and each sample's errors from them, python's first."""
-    try:
-        python = grade_python_leaves(grader, python_sandbox(), texts, rows, reasons, output_tools)
-    except SandboxUnavailable as err:
-        raise graders.GraderFailed(f"python graders cannot run on this worker: {err}") from None
-    config, budget = remote_config(), remote_budget()
-    try:
-        remote = remote_graders.grade_remote_leaves(
-            grader,
-            texts,
-            rows,
-            config=config,
-            budget=budget,
-            finish_reasons=reasons,
-            output_tools=output_tools,
-            trace_ids=trace_ids,
-        )
-    except remote_graders.BudgetSpent as err:
-        raise graders.GraderFailed(str(err)) from None
-    errors = [[*p, *r] for p, r in zip(python.errors, remote.errors, strict=True)]
-    return python.scores | remote.scores, errors
-
-
-def _grade_in_pool(
-    grader: graders.Grader,
-    texts: Sequence[str],
-    rows: Sequence[dict[str, object]],
-    model_scores: dict[str, list[float]],
-    output_tools: Sequence[Sequence[Mapping[str, Any]]] | None = None,
-) -> list[graders.GradeResult]:
-    samples = [
-        grading_pool.Sample(
-            text, row, {key: s[i] for key, s in model_scores.items()}, output_tools[i] if output_tools else ()
-        )
-        for i, (text, row) in enumerate(zip(texts, rows, strict=True))
-    ]
-    try:
-        return grading_pool.default_pool().run(grader.model_dump(mode="json"), samples).results
-    except grading_pool.GradingTimeout as err:  # the grader validated here; a process that cannot is a failed batch
-        problem = graders.GradeError(f"{err}; scored 0.0", "timeout")
-        return [graders.GradeResult(0.0, {}, (problem,))] * len(samples)
 
 
 FAILED_STEP_FRACTION = 0.5
@@ -246,6 +195,33 @@ class GraderMonitor:
                 f"steps (more than {FAILED_STEP_FRACTION:.0%} of {self._streak_samples} samples; "
                 f"{last.cause or last.kind}): {last[:1000]}"
             )
+
+
+T = TypeVar("T")
+
+
+def per_prompt(values: Sequence[T], samples: int) -> list[T]:
+    """Each value ``samples`` times in a row: the prompts (and items) of an evaluation with ``samples`` completions
+    per prompt (OpenAI's ``eval_samples``), [P] → [P·samples]."""
+    return [v for v in values for _ in range(samples)]
+
+
+def validation_params(
+    max_new_tokens: int, *, samples: int, temperature: float, top_p: float, min_new_tokens: int = 0
+) -> SamplingParams:
+    """How validation samples: the greedy completion when each prompt gets one (deterministic, the default), else at
+    the job's ``temperature`` and ``top_p`` (``samples`` greedy completions of a prompt would all be the same)."""
+    if samples == 1:
+        return SamplingParams(max_new_tokens, temperature=0.0, min_new_tokens=min_new_tokens)
+    return SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, min_new_tokens=min_new_tokens)
+
+
+def validation_generator(device: torch.device, *, seed: int, step: int, samples: int) -> torch.Generator | None:
+    """The sampling RNG of the validation at ``step``: its own, seeded from the job's seed and the step, so that
+    validating never moves the training sampler's RNG and a resumed run validates alike; None when greedy."""
+    if samples == 1:
+        return None
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + step)
 
 
 @dataclass(frozen=True)

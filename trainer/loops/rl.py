@@ -31,10 +31,15 @@ from torch import Tensor
 from trainer.algorithms.core_algos import AdvantageInputs, adaptive_kl_update, explained_variance, masked_mean
 from trainer.generation.distributed import World
 from trainer.generation.models import Precision, default_device, resolve_precision
-from trainer.generation.rollout_engine import SamplingParams
 from trainer.loops.agent import episode_metrics
 from trainer.loops.engine import seed_everything
-from trainer.loops.evaluate import GraderMonitor, evaluate_engine
+from trainer.loops.evaluate import (
+    GraderMonitor,
+    evaluate_engine,
+    per_prompt,
+    validation_generator,
+    validation_params,
+)
 from trainer.loops.rl_batch import Advantages, Algorithm, Batch, Parts, UpdateForward, batch_metrics, rollout_records
 from trainer.loops.rl_collect import Collector
 from trainer.loops.rl_run import ModelBuilder, RolloutEngineFactory, Shares, check_world, prepare_prompts
@@ -70,7 +75,7 @@ class RLTrainer(EngineLoop):
         assert isinstance(spec.method.hyperparameters, RLHyperparameters)
         assert spec.method.grader is not None, "RL methods have a grader (config._parse_method)"
         self.hp: RLHyperparameters = spec.method.hyperparameters
-        self.recipe = recipe or RECIPES[spec.method.type]
+        self.recipe = recipe or RECIPES[spec.method.recipe_name]  # reinforcement runs grpo's
         self.parts = Parts.of(self.recipe, self.hp)
         self.algo = Algorithm.of(self.recipe, self.hp)
         self.grader = spec.method.grader
@@ -226,7 +231,7 @@ class RLTrainer(EngineLoop):
         """The step's metrics (with validation when due) reported, its sampled rollouts logged; returns the metrics
         as reported (rank 0's, on every rank)."""
         if self.prompts.val_items and validation_due(
-            step, interval=self.hp.eval_interval, total_steps=self.total_steps
+            step, interval=self.hp.eval_every(self.total_steps), total_steps=self.total_steps
         ):
             m |= self.validation_metrics()
         m |= self.grader_monitor.metrics()
@@ -238,26 +243,32 @@ class RLTrainer(EngineLoop):
         return m
 
     def validation_metrics(self) -> dict[str, float]:
-        """Greedy mean reward on the validation prompts (and per named sub-grader); rank 0's, on every rank (a
-        sharded base's: every rank's block of the prompts, in lockstep)."""
+        """Mean reward of ``eval_samples`` completions per validation prompt (default one, greedy), and per named
+        sub-grader; rank 0's, on every rank (a sharded base's: every rank's block of the prompts, in lockstep)."""
         return self.shares.validation(self._validation_metrics)
 
     def _validation_metrics(self) -> dict[str, float]:
-        models = self.models
+        models, hp = self.models, self.hp
         models.rollout_engine.push_weights(models.model, self.engine.weights_version)
-        greedy = SamplingParams(self.hp.max_completion_tokens, temperature=0.0)
+        k = hp.eval_samples_per_prompt
+        params = validation_params(hp.max_completion_tokens, samples=k, temperature=hp.temperature, top_p=hp.top_p)
+        ids, items = per_prompt(self.prompts.val_ids, k), per_prompt(self.prompts.val_items, k)  # [P·k]
         out: dict[str, float] = {}
+        generator = validation_generator(
+            self.engine.generator.device, seed=self.spec.seed, step=self.last_step, samples=k
+        )
         if models.agent is not None:
-            res, episodes = models.agent.evaluate(self.prompts.val_ids, self.prompts.val_items, self.grader, greedy)
+            res, episodes = models.agent.evaluate(ids, items, self.grader, params, generator=generator)
             out[M.VAL_EPISODE_TOOL_CALL_RATE] = episode_metrics(episodes).get(M.EPISODE_TOOL_CALL_RATE, 0.0)
         else:  # a sharded base's ranks each evaluate their block of the prompts, in lockstep
             res = evaluate_engine(
                 models.rollout_engine,
                 self.prompts.tokenizer,
-                self.prompts.val_ids,
-                self.prompts.val_items,
+                ids,
+                items,
                 self.grader,
-                greedy,
+                params,
+                generator=generator,
                 world=self.shares.evaluating_world,
             )
         out[M.VAL_REWARD_MEAN] = res.mean_reward

@@ -20,6 +20,7 @@ from peft import PeftModel
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from trainer.generation.constrained import Grammar, GrammarError, constraints, response_grammar
 from trainer.generation.distributed import World, gathered, shard_frozen_base
 from trainer.generation.encoding import PromptSampler, PromptTooLongError, encode_prompts, thinking_kwargs
 from trainer.generation.models import Precision, load_tokenizer, trainable_parameters
@@ -50,8 +51,9 @@ class Prompts:
     template_kwargs: dict[str, Any]  # the thinking mode's arguments for reasoning_effort (empty: none)
     train_items: list[PromptItem]
     train_ids: list[list[int]]
-    val_items: list[PromptItem]  # the first eval_samples
+    val_items: list[PromptItem]  # the first eval_prompts (default all)
     val_ids: list[list[int]]
+    grammar: Grammar | None = None  # the response_format's, checked against the tokenizer (None: plain text)
 
 
 def prepare_prompts(spec: JobSpec, hp: RLHyperparameters, grader: graders.Grader, callback: Callback) -> Prompts:
@@ -91,9 +93,27 @@ def prepare_prompts(spec: JobSpec, hp: RLHyperparameters, grader: graders.Grader
         what=f"the longest prompt ({longest} tokens) plus max_completion_tokens ({hp.max_completion_tokens})",
         param=f"method.{spec.method.type}.hyperparameters.max_completion_tokens",
     )
-    if hp.eval_samples:
-        val_ids, val_items = val_ids[: hp.eval_samples], val_items[: hp.eval_samples]
-    return Prompts(tokenizer, template_kwargs, train_items, train_ids, val_items, val_ids)
+    if hp.eval_prompts:
+        val_ids, val_items = val_ids[: hp.eval_prompts], val_items[: hp.eval_prompts]
+    grammar = _response_grammar(spec, tokenizer)
+    return Prompts(tokenizer, template_kwargs, train_items, train_ids, val_items, val_ids, grammar)
+
+
+def _response_grammar(spec: JobSpec, tokenizer: PreTrainedTokenizerBase) -> Grammar | None:
+    """The grammar of the job's ``response_format`` (None: plain text), built once for the run: a ``SpecError``
+    naming the field, before any weight is loaded, when it does not compile for the tokenizer or the vocabulary
+    cannot begin to write it (a run whose every answer would be cut)."""
+    param = f"method.{spec.method.type}.response_format"
+    try:
+        grammar = response_grammar(spec.method.response_format)
+        if grammar is None:
+            return None
+        [first] = constraints(grammar, tokenizer, 1)
+    except GrammarError as err:
+        raise SpecError(f"response_format: {err}", param=param) from None
+    if not first.writable(len(tokenizer)):
+        raise SpecError(f"the vocabulary of {spec.model} cannot write an answer in this format", param=param)
+    return grammar
 
 
 def _check_tool_urls(spec: JobSpec) -> None:
@@ -321,8 +341,13 @@ class ModelBuilder:
         )
         if decode == "compiled":
             use_compile_cache()
+        grammar = self.prompts.grammar
         if factory is not None:
+            if grammar is not None:  # the factory's engine is handed no grammar: it would sample unconstrained
+                param = f"method.{self.spec.method.type}.response_format"
+                raise SpecError("response_format needs the built-in rollout engine", param=param)
             return factory(model, tokenizer)
+        assert grammar is None or self.spec.method.agent is None  # refused by the spec: episodes call tools
         return HFRolloutEngine(
             model,
             eos_id=tokenizer.eos_token_id,
@@ -333,6 +358,8 @@ class ModelBuilder:
             decode=decode,
             lockstep=self.shares.world.any if sharded else None,
             whole_weights=(lambda: gathered(model)) if sharded and self.spec.gather_for_generation else None,
+            tokenizer=tokenizer,
+            grammar=grammar,
         )
 
     def _agent(self, rollout_engine: RolloutEngine) -> AgentRollouts | None:

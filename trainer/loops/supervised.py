@@ -207,7 +207,8 @@ class SupervisedTrainer(EngineLoop):
             M.LEARNING_RATE: lr,
             M.TOKENS_PER_S_TRAINING: tokens / max(train_s, 1e-9),
         }
-        if self.val_examples and validation_due(step, interval=hp.eval_interval, total_steps=self.total_steps):
+        every = hp.eval_every(self.total_steps)  # eval_interval, or the one 'auto' picks from the run's length
+        if self.val_examples and validation_due(step, interval=every, total_steps=self.total_steps):
             m |= self.validation_metrics()
         m[M.STEP_SECONDS] = time.perf_counter() - t0
         return self.report(step, m)

@@ -22,6 +22,7 @@ from trainer.spec.errors import SpecError
 from trainer.spec.lora import LoraSpec
 from trainer.spec.names import AggregationName, DPOLossType, KLEstimatorName
 from trainer.spec.recipes import RECIPES
+from trainer.spec.response_format import Format, ResponseFormat, json_schema_of
 
 # Bounds: generous enough for any real job, and tight enough that no value overflows what stores or
 # uses it (the database's 32-bit step columns, a float's range, a GPU's memory before the first step).
@@ -39,6 +40,9 @@ MAX_COMPUTE_MULTIPLIER = 64.0
 """Largest ``compute_multiplier`` (OpenAI gives no range; the rollout's own bound applies as well)."""
 ReasoningEffort = Literal["default", "low", "medium", "high"]
 """OpenAI's ``reasoning_effort`` values."""
+AUTO_EVALUATIONS = 10
+"""``eval_interval: "auto"``: validation about this many times over the run, every ceil(total_steps / 10) steps (and
+at the last step, as always)."""
 
 
 class _Strict(BaseModel):
@@ -86,9 +90,18 @@ class Hyperparameters(_Strict):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     checkpoint_interval: int = Field(10, ge=1, le=MAX_STEPS)
-    eval_interval: int = Field(0, ge=0, le=MAX_STEPS, description="steps between validation runs; 0: only at the end")
+    eval_interval: int | Auto = Field(
+        0,
+        description="training steps between validation runs (and at the last step); 0: only at the end; auto "
+        f"(OpenAI's): about {AUTO_EVALUATIONS} over the run, every ceil(total_steps / {AUTO_EVALUATIONS}) steps, the "
+        "service storing the number it picked when it creates the job",
+    )
     eval_samples: int | None = Field(
-        None, ge=1, le=1_000_000, description="validation examples per evaluation; default all"
+        None,
+        ge=1,
+        le=1_000_000,
+        description="the first validation examples each evaluation uses; default all (OpenAI has no eval_samples "
+        "for this method; the online RL methods' eval_samples is OpenAI's: completions per validation prompt)",
     )
     keep_best: str | None = Field(
         None,
@@ -106,8 +119,18 @@ class Hyperparameters(_Strict):
     def _openai_auto(cls, data: Any) -> Any:
         return _auto_to_default(
             data,
-            ("batch_size", "learning_rate_multiplier", "n_epochs", "eval_interval", "eval_samples", "beta"),
+            ("batch_size", "learning_rate_multiplier", "n_epochs", "eval_samples", "beta"),
         )
+
+    @field_validator("eval_interval", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, v: Any) -> Any:
+        # checked before the union's own validation, whose errors would name its members rather than the field
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)  # 5.0 is 5, as an int field takes it
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_STEPS):
+            return v
+        raise ValueError(f"must be a whole number of steps from 0 to {MAX_STEPS:,}, or 'auto'")
 
     @field_validator("keep_best")
     @classmethod
@@ -139,6 +162,13 @@ class Hyperparameters(_Strict):
         """Training steps of a run over ``n_examples`` examples: ``max_steps``, else ``n_epochs`` passes of
         ``batch_size`` examples (the last batch of an epoch may be short)."""
         return self.max_steps or self.n_epochs * math.ceil(n_examples / self.batch_size)
+
+    def eval_every(self, total_steps: int) -> int:
+        """Steps between validation runs in a run of ``total_steps``: ``eval_interval``, or for ``"auto"``
+        ceil(total_steps / AUTO_EVALUATIONS) (at least 1)."""
+        if self.eval_interval == "auto":
+            return max(1, math.ceil(total_steps / AUTO_EVALUATIONS))
+        return self.eval_interval
 
 
 class RLHyperparameters(Hyperparameters):
@@ -193,11 +223,31 @@ class RLHyperparameters(Hyperparameters):
         description="OpenAI's: the chat template's thinking mode where the base model has one "
         "(trainer.generation.encoding.thinking_kwargs); otherwise it has no effect and the job says so in an event",
     )
+    eval_samples: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_GROUP,
+        description=f"OpenAI's: completions generated per validation prompt at each evaluation, 1 to {MAX_GROUP}; "
+        "default (auto) 1, the greedy completion; more are sampled at temperature and top_p, and the validation "
+        "rewards are their mean",
+    )
+    eval_prompts: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="the first validation prompts each evaluation uses; default all (OpenAI's evaluations use them "
+        "all: this bounds an evaluation's cost)",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _openai_auto_rl(cls, data: Any) -> Any:
         return _auto_to_default(data, ("compute_multiplier",))
+
+    @property
+    def eval_samples_per_prompt(self) -> int:
+        """Completions each validation prompt gets at an evaluation (1: the greedy one)."""
+        return self.eval_samples or 1
 
     @property
     def samples_per_prompt(self) -> int:
@@ -297,7 +347,9 @@ class RewardModelHyperparameters(Hyperparameters):
 
     learning_rate: float = Field(3e-4, gt=0, le=1.0)
     batch_size: int = Field(32, ge=1, le=MAX_BATCH, description=f"pairs per training step, 1 to {MAX_BATCH}")
-    eval_interval: int = Field(25, ge=0, le=MAX_STEPS, description="steps between validation runs; 0: only at the end")
+    eval_interval: int | Auto = Field(
+        25, description="training steps between validation runs; 0: only at the end; auto: as for every method"
+    )
     keep_best: str | None = Field(
         "val/preference/accuracy", description="the validation metric whose best checkpoint is the result; None: last"
     )
@@ -348,6 +400,8 @@ class SupervisedHyperparameters(Hyperparameters):
 
 HYPERPARAMETERS: dict[str, type[Hyperparameters]] = {
     "grpo": GRPOHyperparameters,
+    # OpenAI's name: GRPO's hyperparameters and recipe (OPENAI_ALIASES), the job keeping the name it was created with
+    "reinforcement": GRPOHyperparameters,
     "dr_grpo": DrGRPOHyperparameters,
     "dapo": DAPOHyperparameters,
     "rloo": RLOOHyperparameters,
@@ -367,12 +421,20 @@ DATA_FORMATS: dict[str, Literal["prompts", "preferences", "supervised"]] = {
 }
 """The dataset format (``trainer.spec.data``) each method trains on."""
 OPENAI_ALIASES = {"reinforcement": "grpo"}
+"""OpenAI's method names and the recipe (``trainer.spec.recipes``) each runs: a job created as ``reinforcement`` is
+answered and stored as ``reinforcement`` while it trains exactly as ``grpo`` does."""
+
+
+def recipe_name(method: str) -> str:
+    """The recipe a method runs: its own, or for OpenAI's name the one it aliases."""
+    return OPENAI_ALIASES.get(method, method)
 
 
 class RLMethod(_Strict):
     """The body under ``method.<type>`` for an online RL method. ``tools`` and ``max_episode_steps`` (OpenAI's agent
     RFT), or ``environment`` (a sandboxed Python environment), make its rollouts multi-turn episodes
-    (``trainer.spec.agent_spec``)."""
+    (``trainer.spec.agent_spec``). ``response_format`` (OpenAI's RFT structured output) constrains every sampled
+    answer, training and validation, to what the format admits."""
 
     grader: dict[str, Any]
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
@@ -380,6 +442,7 @@ class RLMethod(_Strict):
     tools: list[dict[str, Any]] | None = None
     environment: dict[str, Any] | None = None
     max_episode_steps: int | None = None
+    response_format: ResponseFormat = None
 
 
 class TrainingMethod(_Strict):
@@ -399,10 +462,16 @@ class MethodSpec(BaseModel):
     grader: graders.Grader | None
     lora: LoraSpec
     agent: AgentSpec | None = None  # tools / environment: episodes instead of single replies
+    response_format: ResponseFormat = None  # online RL: the format every sampled answer is constrained to
 
     @property
     def data_format(self) -> Literal["prompts", "preferences", "supervised"]:
         return DATA_FORMATS[self.type]
+
+    @property
+    def recipe_name(self) -> str:
+        """The online RL recipe this method runs (``reinforcement`` runs ``grpo``'s)."""
+        return recipe_name(self.type)
 
     def to_json(self) -> dict[str, Any]:
         block: dict[str, Any] = {}
@@ -412,6 +481,8 @@ class MethodSpec(BaseModel):
         block["lora"] = self.lora.model_dump(mode="json")
         if self.agent is not None:
             block |= self.agent.to_json()
+        if self.response_format is not None:  # by its alias: json_schema's `schema`
+            block["response_format"] = self.response_format.model_dump(mode="json", by_alias=True, exclude_none=True)
         return {"type": self.type, self.type: block}
 
 
@@ -422,7 +493,7 @@ MAX_GPUS = 64
 # the sharded base (its adapter or the policy's trunk). Every rank must run the same forward passes of the sharded
 # model in the same order (each gathers its layers' weights from all ranks); an agent's episodes run a different
 # number of turns on each rank.
-SHARDED_METHODS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce", "ppo")
+SHARDED_METHODS = ("grpo", "reinforcement", "dr_grpo", "dapo", "rloo", "reinforce", "ppo")
 
 
 class Resources(BaseModel):
@@ -557,7 +628,7 @@ def _parse_method(raw: Any) -> MethodSpec:
     mtype = raw.get("type")
     if not isinstance(mtype, str):
         raise SpecError("field required", param="method.type")
-    key = OPENAI_ALIASES.get(mtype, mtype)
+    key = mtype
     if key not in HYPERPARAMETERS:
         raise SpecError(f"unknown method {mtype!r}; valid: {', '.join(METHODS)}", param="method.type")
     extra = [k for k in raw if k not in ("type", mtype)]
@@ -566,6 +637,11 @@ def _parse_method(raw: Any) -> MethodSpec:
     if mtype not in raw:
         raise SpecError("field required", param=f"method.{mtype}")
     rl = key in RL_METHODS
+    if not rl and isinstance(raw[mtype], dict) and "response_format" in raw[mtype]:
+        raise SpecError(
+            f"{mtype} samples no answers: response_format is for the online RL methods",
+            param=f"method.{mtype}.response_format",
+        )
     try:
         body: RLMethod | TrainingMethod = (RLMethod if rl else TrainingMethod).model_validate(raw[mtype])
     except ValidationError as err:
@@ -583,7 +659,27 @@ def _parse_method(raw: Any) -> MethodSpec:
     if isinstance(hp, RLHyperparameters):
         _check_rl_method(key, hp, f"method.{mtype}.hyperparameters")
     agent = _parse_agent(body, f"method.{mtype}") if isinstance(body, RLMethod) else None
-    return MethodSpec(type=key, hyperparameters=hp, grader=grader, lora=body.lora, agent=agent)
+    fmt = body.response_format if isinstance(body, RLMethod) else None
+    _check_response_format(fmt, hp, agent, f"method.{mtype}")
+    return MethodSpec(type=key, hyperparameters=hp, grader=grader, lora=body.lora, agent=agent, response_format=fmt)
+
+
+def _check_response_format(fmt: Format | None, hp: Hyperparameters, agent: AgentSpec | None, where: str) -> None:
+    """What an online method's ``response_format`` goes with, refused naming the field."""
+    if json_schema_of(fmt) is None:
+        return  # plain text: nothing is constrained
+    if agent is not None:
+        # as chat completions refuse it with tools: an episode's turns write tool calls, which no JSON format admits
+        raise SpecError(
+            "response_format cannot be combined with tools or an environment: an episode's turns call tools",
+            param=f"{where}.response_format",
+        )
+    if isinstance(hp, RLHyperparameters) and hp.min_completion_tokens > 0:
+        # EOS held off while the grammar admits nothing else would leave no token to sample
+        raise SpecError(
+            "must be 0 with a JSON response_format: the answer ends where the JSON does",
+            param=f"{where}.hyperparameters.min_completion_tokens",
+        )
 
 
 def _parse_agent(body: RLMethod, where: str) -> AgentSpec | None:
@@ -614,11 +710,11 @@ def _parse_agent(body: RLMethod, where: str) -> AgentSpec | None:
 
 
 def _check_rl_method(method: str, hp: RLHyperparameters, where: str) -> None:
-    recipe = RECIPES[method]
+    recipe = RECIPES[recipe_name(method)]
     scaled = hp.compute_multiplier != 1.0
     if recipe.needs_group and hp.samples_per_prompt < 2:
         raise SpecError(
-            f"{method} compares samples within a group: group_size must be at least 2"
+            f"{recipe.name} compares samples within a group: group_size must be at least 2"
             + (f" (group_size × compute_multiplier gives {hp.samples_per_prompt})" if scaled else ""),
             param=f"{where}.{'compute_multiplier' if scaled and hp.group_size >= 2 else 'group_size'}",
         )

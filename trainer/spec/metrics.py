@@ -103,7 +103,9 @@ STEP_SECONDS = _metric("time/step_s", "wall-clock time of the training step", un
 GENERATION_SECONDS = _metric("time/generation_s", "wall-clock time of the step's sampling", unit="s", timing=True)
 LEARNING_RATE = _metric("lr", "learning rate of the step, after warm-up and schedule")
 KL_COEF = _metric("kl/coef", "the KL coefficient β in effect (PPO's adaptive controller moves it)")
-VAL_REWARD_MEAN = _metric("val/reward/mean", "greedy mean reward on the validation prompts")
+VAL_REWARD_MEAN = _metric(
+    "val/reward/mean", "mean reward on the validation prompts (greedy; with eval_samples > 1, of the samples)"
+)
 GRADER_ERROR_RATE = _metric(
     "grader/error_rate",
     "fraction of the step's sampled completions the grader produced no score for (a python grader that raised or "

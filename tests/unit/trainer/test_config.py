@@ -93,12 +93,17 @@ def test_given_values_override_defaults() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_openai_reinforcement_type_is_grpo() -> None:
+def test_openai_reinforcement_keeps_its_name_and_runs_grpo_s_recipe_and_defaults() -> None:
     job = parse_spec(spec("reinforcement", {"group_size": 4}))
-    assert job.method.type == "grpo"
+    assert (job.method.type, job.method.recipe_name, job.method.data_format) == ("reinforcement", "grpo", "prompts")
     assert isinstance(job.method.hyperparameters, GRPOHyperparameters)
     assert job.method.hyperparameters.group_size == 4
     assert job.method.hyperparameters.beta == 0.04
+    grpo = parse_spec(spec("grpo", {"group_size": 4})).method
+    assert job.method.hyperparameters.model_dump() == grpo.hyperparameters.model_dump()
+    stored = job.to_json()["method"]
+    assert stored["type"] == "reinforcement" and "reinforcement" in stored and "grpo" not in stored
+    assert parse_spec(job.to_json()).method.type == "reinforcement"
 
 
 def test_unknown_method_lists_valid_ones() -> None:
@@ -244,7 +249,7 @@ def test_unknown_top_level_field_and_missing_model() -> None:
 def test_to_json_round_trips() -> None:
     job = parse_spec(spec("reinforcement", {"group_size": 4, "beta": 0.1}, lora={"r": 4}))
     again = parse_spec(job.to_json())
-    assert again.method.type == "grpo"
+    assert again.method.type == "reinforcement"  # the name it was created with
     assert again.method.hyperparameters == job.method.hyperparameters
     assert again.method.lora == job.method.lora
     assert again.to_json() == job.to_json()
