@@ -7,6 +7,13 @@ as server-sent events with ``stream: true``), errors in OpenAI's envelope. The w
 engine; the bodies and answers are the API's schemas (``api.schemas_inference``) and the errors are rendered by
 ``api.errors``: this module parses, checks and renders.
 
+Chat completions take OpenAI's ``tools`` (rendered by the model's chat template), ``tool_choice`` and
+``parallel_tool_calls``, and ``response_format``: the answer's tool calls are parsed in the model family's syntax
+(``trainer.agents.tool_calls``) into ``message.tool_calls`` (finish_reason ``tool_calls``, or ``stop`` where
+``tool_choice`` names the function, as OpenAI's; streamed as OpenAI streams them, once the turn has ended), and a
+forced call (``required``, a named function), a forbidden one (``none``) or JSON (``json_object``, ``json_schema``)
+is enforced by constrained decoding (``trainer.generation.constrained``).
+
 Adapters are registered by name with ``lora_path`` either an artifact-store key of a PEFT adapter ``.tar.gz``
 archive (fetched from ``PROXIMA_ARTIFACTS`` and extracted once into ``<PROXIMA_HOME>/inference/adapters/``: store
 keys never change content) or an absolute path to an adapter folder. When ``PROXIMA_INFERENCE_API_KEY`` is set, every
@@ -48,6 +55,15 @@ from api.schemas_inference import (
 )
 from api.settings import Settings
 from api.storage import ArtifactStore, NotFound, StorageError, validate_key
+from trainer.agents.tool_calls import (
+    ToolCall,
+    ToolCallFormatError,
+    ToolCallParser,
+    ToolChoiceUnsupported,
+    call_grammar,
+    call_markers,
+)
+from trainer.generation.constrained import Grammar, GrammarError, response_grammar, text_without
 from trainer.generation.models import ModelError, default_device, resolve_precision
 from trainer.serving.inference import (
     Completion,
@@ -186,6 +202,35 @@ class Server:
             seed=body.seed,
         )
 
+    def chat_constraints(self, body: ChatCompletionRequest, base: str) -> tuple[Grammar | None, ToolCallParser | None]:
+        """What the request's choices may write (a grammar, with the parameter that asked for it set as
+        ``grammar_param`` by the caller) and the parser of their tool calls (None: they are not parsed).
+
+        ``tool_choice``: ``auto`` leaves the model free and parses its calls; ``required`` and a named function
+        force a call by a grammar of the model's call syntax; ``none`` renders the tools, as vLLM does, and forbids
+        the text that opens a call (in any tokens), so the model answers in text. ``response_format`` JSON is a
+        grammar of its own, so it goes with tools only under ``tool_choice: none``."""
+        mode = body.tool_mode()
+        parser = _engine_call(lambda: self.engine.tool_parser(base)) if mode is not None else None
+        grammar = response_grammar(body.response_format)
+        if grammar is not None:
+            if mode not in (None, "none"):
+                message = "response_format JSON cannot be combined with tool calls: set tool_choice to none"
+                raise InvalidRequest(message, param="response_format")
+            return grammar, None
+        if parser is None or mode == "auto":
+            return None, parser
+        if mode == "none":
+            markers = call_markers(parser)
+            return (text_without(markers) if markers else None), None
+        assert body.tools is not None
+        named = body.tool_choice.function.name if isinstance(body.tool_choice, schemas.NamedToolChoice) else None
+        tools = body.template_tools() or []
+        try:
+            return call_grammar(parser, tools, name=named, parallel=body.parallel_tool_calls is not False), parser
+        except (ToolChoiceUnsupported, GrammarError) as err:
+            raise InvalidRequest(f"tool_choice cannot be enforced for this model: {err}", param="tool_choice") from None
+
 
 def _engine_call(fn: Callable[[], T]) -> T:
     """An engine call with its refusals as the API's errors (unknown model 404, bad input 400)."""
@@ -264,12 +309,21 @@ async def unload_lora_adapter(body: UnloadLoraAdapterRequest, server: ServerDep)
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, server: ServerDep) -> StreamingResponse | dict[str, Any]:
     base = server.base_of(body.model)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt = await asyncio.to_thread(_engine_call, lambda: server.engine.encode_chat(base, messages))
+    try:  # off the loop: the tokenizer's parser and a schema's grammar can take a while to build
+        grammar, parser = await asyncio.to_thread(server.chat_constraints, body, base)
+    except GrammarError as err:  # a schema the API's checks let through and the matcher refuses
+        raise InvalidRequest(f"response_format: {err}", param="response_format") from None
+    messages, tools = [m.rendered() for m in body.messages], body.template_tools()
+    prompt = await asyncio.to_thread(_engine_call, lambda: server.engine.encode_chat(base, messages, tools=tools))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = server.sampling(body, base, prompt, max_tokens, "messages")
     sampling = _with_logprobs(sampling, bool(body.logprobs), body.top_logprobs or 0)
-    return await _respond(server, body, prompt, sampling, chat=True)
+    param = "tool_choice" if body.response_format is None else "response_format"
+    keep = call_markers(parser) if parser is not None else ()  # the parser needs its markers, special tokens or not
+    sampling = dataclasses.replace(sampling, grammar=grammar, grammar_param=param, keep_special=keep)
+    # OpenAI ends a turn that tool_choice forced to name a function with "stop", any other call with "tool_calls"
+    calls: schemas.ChatFinishReason = "stop" if body.tool_mode() == "named" else "tool_calls"
+    return await _respond(server, body, prompt, sampling, chat=True, parser=parser, call_finish=calls)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -331,23 +385,55 @@ def _text_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
 
 
 async def _respond(
-    server: Server, body: SamplingRequest, prompt: list[int], sampling: Sampling, *, chat: bool
+    server: Server,
+    body: SamplingRequest,
+    prompt: list[int],
+    sampling: Sampling,
+    *,
+    chat: bool,
+    parser: ToolCallParser | None = None,
+    call_finish: schemas.ChatFinishReason = "tool_calls",
 ) -> StreamingResponse | dict[str, Any]:
-    """The request submitted to the engine, answered as one object or (``stream``) as server-sent events."""
+    """The request submitted to the engine, answered as one object or (``stream``) as server-sent events; with a
+    ``parser``, each chat choice's tool calls parsed out of its text (its finish reason then ``call_finish``)."""
     created = int(time.time())
     rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
-        events, ticket = _submit_streamed(server, body.model, prompt, sampling)
+        events, ticket = await _submit_streamed(server, body.model, prompt, sampling)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(events, ticket, rid, created, body.model, sampling.n, chat=chat, include_usage=include_usage)
+        head = _Head(rid, created, body.model, chat=chat, include_usage=include_usage)
+        relays = [_CallRelay(parser, call_finish) for _ in range(sampling.n)] if parser is not None else None
+        stream = _stream(events, ticket, head, sampling.n, relays)
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     out = await _gathered(server, body.model, prompt, sampling)
     if chat:
-        return _chat_answer(rid, created, body.model, out, logprobs=sampling.logprobs)
+        calls = (parser, call_finish) if parser is not None else None
+        return _chat_answer(rid, created, body.model, out, logprobs=sampling.logprobs, calls=calls)
     return _text_answer(rid, created, body.model, out, logprobs=sampling.logprobs)
 
 
-def _submit_streamed(
+async def _submit(
+    server: Server, model: str, prompt: list[int], sampling: Sampling, on_event: Callable[[Event], None]
+) -> Ticket:
+    """The request submitted off the event loop: the engine sets its grammar up there (the matcher's view of the
+    tokenizer, a schema's compilation), which can take seconds that every other request would wait. A request
+    whose client went away meanwhile is cancelled once submitted."""
+    task = asyncio.ensure_future(
+        asyncio.to_thread(_engine_call, lambda: server.engine.submit(model, prompt, sampling, on_event))
+    )
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_cancel_submitted)
+        raise
+
+
+def _cancel_submitted(task: asyncio.Future[Ticket]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().cancel()
+
+
+async def _submit_streamed(
     server: Server, model: str, prompt: list[int], sampling: Sampling
 ) -> tuple[asyncio.Queue[Event], Ticket]:
     """The request submitted with its events queued on this event loop, as the model thread sends them."""
@@ -358,7 +444,7 @@ def _submit_streamed(
         with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-    return events, _engine_call(lambda: server.engine.submit(model, prompt, sampling, on_event))
+    return events, await _submit(server, model, prompt, sampling, on_event)
 
 
 async def _gathered(server: Server, model: str, prompt: list[int], sampling: Sampling) -> Completion:
@@ -378,7 +464,7 @@ async def _gathered(server: Server, model: str, prompt: list[int], sampling: Sam
             with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
                 loop.call_soon_threadsafe(end, ev)
 
-    ticket = _engine_call(lambda: server.engine.submit(model, prompt, sampling, on_event))
+    ticket = await _submit(server, model, prompt, sampling, on_event)
     try:
         last = await ended
     finally:
@@ -388,16 +474,46 @@ async def _gathered(server: Server, model: str, prompt: list[int], sampling: Sam
     return out
 
 
-def _chat_answer(rid: str, created: int, model: str, out: Completion, *, logprobs: bool) -> dict[str, Any]:
-    choices = [
-        schemas.ChatChoice(
-            index=i,
-            message=schemas.AssistantMessage(content=out.texts[i]),
-            logprobs=_chat_logprobs(out.logprobs[i]) if logprobs else None,
-            finish_reason=_ended(out, i),
+def _tool_turn(
+    parser: ToolCallParser | None, text: str, reason: FinishReason, call_finish: schemas.ChatFinishReason
+) -> tuple[str | None, list[ToolCall], schemas.ChatFinishReason]:
+    """A choice's (content, tool calls, finish reason): the calls parsed out of a turn that ended (EOS), the text
+    left as content (None when only calls remain), finish reason ``call_finish``. A turn cut by its budget, or
+    whose call does not parse, is text, as it came."""
+    if parser is None or reason != "stop":
+        return text, [], reason
+    try:
+        turn = parser.parse(text)
+    except ToolCallFormatError:
+        return text, [], reason
+    if not turn.calls:
+        return text, [], reason
+    return turn.content or None, turn.calls, call_finish
+
+
+def _chat_answer(
+    rid: str,
+    created: int,
+    model: str,
+    out: Completion,
+    *,
+    logprobs: bool,
+    calls: tuple[ToolCallParser, schemas.ChatFinishReason] | None,
+) -> dict[str, Any]:
+    """The whole chat answer; with ``calls`` (a parser and the finish reason of a turn that calls), each choice's
+    tool calls parsed out of its text."""
+    parser: ToolCallParser | None = None
+    call_finish: schemas.ChatFinishReason = "tool_calls"
+    if calls is not None:
+        parser, call_finish = calls
+    choices = []
+    for i in range(len(out.texts)):
+        content, tool_calls, finish = _tool_turn(parser, out.texts[i], _ended(out, i), call_finish)
+        message = schemas.AssistantMessage(
+            content=content, tool_calls=[c.chat_completions() for c in tool_calls] or None
         )
-        for i in range(len(out.texts))
-    ]
+        lp = _chat_logprobs(out.logprobs[i]) if logprobs else None
+        choices.append(schemas.ChatChoice(index=i, message=message, logprobs=lp, finish_reason=finish))
     usage = _usage(out.prompt_tokens, out.completion_tokens)
     answer = schemas.ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage)
     return answer.model_dump()
@@ -424,33 +540,107 @@ def _ended(out: Completion, i: int) -> FinishReason:
     return reason
 
 
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """What every chunk of a stream carries."""
+
+    rid: str
+    created: int
+    model: str
+    chat: bool
+    include_usage: bool
+
+    def chunk(self, choices: list[dict[str, Any]], **more: Any) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        extra = {"usage": None} if self.include_usage else {}
+        payload = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        return f"data: {json.dumps({**payload, **extra, **more}, separators=(',', ':'))}\n\n"
+
+
+class _CallRelay:
+    """One streamed chat choice's text while its tool calls are parsed: content goes out as it comes, up to where a
+    call may begin (its opening marker, or a prefix of one); the rest waits for the turn's end, where the calls are
+    parsed and sent as OpenAI streams them (a delta with the call's id, type and name, then its arguments)."""
+
+    def __init__(self, parser: ToolCallParser, call_finish: schemas.ChatFinishReason = "tool_calls") -> None:
+        self.parser, self.markers, self.call_finish = parser, call_markers(parser), call_finish
+        self.text, self.sent = "", 0
+
+    def content(self, text: str) -> str:
+        """The part of the text so far that can be sent now (syntaxes without a marker send it at the end)."""
+        self.text += text
+        if not self.markers:
+            return ""
+        found = [i for i in (self.text.find(m) for m in self.markers) if i >= 0]
+        cut = min(found) if found else len(self.text) - _marker_prefix(self.text, self.markers)
+        out = self.text[self.sent : cut] if cut > self.sent else ""
+        self.sent = max(self.sent, cut)
+        return out
+
+    def end(self, reason: FinishReason) -> tuple[list[dict[str, Any]], schemas.ChatFinishReason]:
+        """The deltas left at the turn's end (held content, then each call), and the choice's finish reason."""
+        content, calls, finish = _tool_turn(self.parser, self.text, reason, self.call_finish)
+        rest = self.text[self.sent :]
+        if calls:
+            sent = self.text[: self.sent].strip()
+            rest = content or ""
+            rest = rest[len(sent) :] if rest.startswith(sent) else rest
+        deltas: list[dict[str, Any]] = [{"content": rest}] if rest else []
+        for k, c in enumerate(calls):
+            head = {"index": k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+            deltas += [{"tool_calls": [head]}, {"tool_calls": [{"index": k, "function": {"arguments": c.arguments}}]}]
+        return deltas, finish
+
+
+def _marker_prefix(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest suffix of ``text`` that begins one of ``markers``."""
+    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
+def _chat_chunks(head: _Head, ev: Progress, relays: list[_CallRelay] | None) -> list[str]:
+    """A step's chat chunks: one with every choice's delta, then, for a choice whose tool calls end with this
+    step, a chunk per call delta and one with its finish reason."""
+    choices, after = [], []
+    for d in ev.deltas:
+        lp = _chat_logprobs(list(d.logprobs)) if d.logprobs else None
+        text, finish = d.text, d.finish_reason
+        if relays is not None:
+            relay = relays[d.index]
+            text = relay.content(d.text)
+            if d.finish_reason is not None:
+                rest, ended = relay.end(d.finish_reason)
+                after += [
+                    head.chunk([{"index": d.index, "delta": r, "logprobs": None, "finish_reason": None}]) for r in rest
+                ]
+                after.append(head.chunk([{"index": d.index, "delta": {}, "logprobs": None, "finish_reason": ended}]))
+                finish = None
+        delta = {"content": text} if text else {}
+        choices.append({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish})
+    return [head.chunk(choices), *after]
+
+
+def _text_chunk(head: _Head, ev: Progress, sent: list[int]) -> str:
+    choices = []
+    for d in ev.deltas:
+        lp = _text_logprobs(list(d.logprobs), sent[d.index]) if d.logprobs else None
+        choices.append({"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason})
+        sent[d.index] += len(d.text)
+    return head.chunk(choices)
+
+
 async def _stream(
-    events: asyncio.Queue[Event],
-    ticket: Ticket,
-    rid: str,
-    created: int,
-    model: str,
-    n: int,
-    *,
-    chat: bool,
-    include_usage: bool,
+    events: asyncio.Queue[Event], ticket: Ticket, head: _Head, n: int, relays: list[_CallRelay] | None
 ) -> AsyncIterator[str]:
     """Server-sent events as OpenAI streams them: ``chat.completion.chunk`` objects (a first chunk per choice with
-    the assistant role, then content deltas, the last with its finish_reason) or ``text_completion`` ones, an
-    optional usage chunk (no choices), then ``[DONE]``."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    extra = {"usage": None} if include_usage else {}
+    the assistant role, then content deltas, the last with its finish_reason; with ``relays``, tool calls as
+    ``tool_calls`` deltas at the turn's end) or ``text_completion`` ones, an optional usage chunk (no choices), then
+    ``[DONE]``."""
     sent = [0] * n
-
-    def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
-        payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **extra, **more}
-        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
     try:
-        if chat:
+        if head.chat:
             for i in range(n):
                 first = {"role": "assistant", "content": ""}
-                yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}])
+                yield head.chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}])
         while True:
             ev = await events.get()
             if isinstance(ev, Failed):  # the status is sent: the error goes in the stream, as vLLM sends it
@@ -458,20 +648,14 @@ async def _stream(
                 yield f"data: {json.dumps(errors.envelope(err.message, err.type, err.param, err.code))}\n\n"
                 break
             if isinstance(ev, Finished):
-                if include_usage:
-                    yield chunk([], usage=_usage(ev.prompt_tokens, ev.completion_tokens).model_dump())
+                if head.include_usage:
+                    yield head.chunk([], usage=_usage(ev.prompt_tokens, ev.completion_tokens).model_dump())
                 break
-            choices = []
-            for d in ev.deltas:
-                if chat:
-                    delta = {"content": d.text} if d.text else {}
-                    lp = _chat_logprobs(list(d.logprobs)) if d.logprobs else None
-                    choices.append({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason})
-                else:
-                    lp = _text_logprobs(list(d.logprobs), sent[d.index]) if d.logprobs else None
-                    choices.append({"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason})
-                sent[d.index] += len(d.text)
-            yield chunk(choices)
+            if head.chat:
+                for chunk in _chat_chunks(head, ev, relays):
+                    yield chunk
+            else:
+                yield _text_chunk(head, ev, sent)
         yield "data: [DONE]\n\n"
     finally:
         ticket.cancel()

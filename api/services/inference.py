@@ -139,6 +139,18 @@ def _client(settings: Settings) -> httpx.AsyncClient:
     return clients[key]
 
 
+async def close_clients() -> None:
+    """Close this event loop's clients and their connections: a loop that ends (a worker's eval run has one of its
+    own) would otherwise leave them open until the process exits."""
+    try:
+        clients = _clients.get()
+    except LookupError:
+        return
+    for client in clients.values():
+        await client.aclose()
+    clients.clear()
+
+
 class _Refused(Exception):
     """The inference server answered an error: the answer to send the caller."""
 

@@ -7,12 +7,16 @@ shows an episode as a conversation with its tool call and the tool's result; the
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
+from openai import OpenAI
 from playwright.sync_api import Page, expect
 
 from trainer.agents import calculator_server
@@ -68,7 +72,7 @@ def deployment(
                         "group_size": 4,
                         "max_completion_tokens": 40,
                         "eval_interval": STEPS,
-                        "eval_samples": 16,
+                        "eval_prompts": 16,
                         "checkpoint_interval": STEPS,
                         "rollouts_logged": 16,
                         "learning_rate": 3e-4,
@@ -79,7 +83,7 @@ def deployment(
         r = api.post("/fine_tuning/jobs", json=body)
         assert r.status_code == 200, r.text
         job = r.json()
-        assert job["method"]["grpo"]["tools"][0]["server_url"] == calculator  # OpenAI's reinforcement runs as grpo
+        assert job["method"]["reinforcement"]["tools"][0]["server_url"] == calculator  # runs grpo's recipe
         yield AgentDeployment(server, key, api, job["id"])
         api.close()
     finally:
@@ -130,3 +134,54 @@ def test_the_rollouts_browser_shows_an_episode_as_a_conversation(page: Page, dep
     expect(page.locator('figure[data-chart="episodes"]')).to_have_attribute("data-points", str(STEPS))
     calls = M.TOOL_CALLS_OF.name("calculator")
     expect(page.locator('figure[data-chart="tool-calls"]')).to_have_attribute("data-series", calls)
+
+
+def test_the_agent_trained_model_answers_chat_completions_with_parsed_tool_calls(deployment: AgentDeployment) -> None:
+    """The job's `ft:` model, offered the calculator through chat completions (the official client), calls it in the
+    model's syntax and the answer carries OpenAI's parsed `tool_calls`; forced with `tool_choice`, every sample
+    calls it; given the tool's result, it answers."""
+    d = deployment
+    job = wait_job(d.api, d.job_id, lambda j: j["status"] == "succeeded", what="success", server=d.server, timeout=300)
+    client = OpenAI(base_url=f"{d.server.base}/v1", api_key=d.key, max_retries=0, timeout=120)
+    tools: Any = [tiny_calc.TOOL]
+    question = [{"role": "user", "content": "What is 23 + 58 + 71?"}]
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            forced = client.chat.completions.create(
+                model=job["fine_tuned_model"],
+                messages=question,  # type: ignore[arg-type]
+                tools=tools,
+                tool_choice="required",
+                n=8,
+                max_tokens=40,
+                temperature=1,
+                seed=1,
+            )
+            break
+        except openai.InternalServerError:  # 503 while the inference server is still loading
+            assert time.monotonic() < deadline
+            time.sleep(1)
+    for choice in forced.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls or []
+        assert call.type == "function" and call.function.name == "calculator" and call.id.startswith("call_")
+        assert isinstance(json.loads(call.function.arguments)["expression"], str)
+    call = (forced.choices[0].message.tool_calls or [])[0]
+    value = calculator_server.evaluate_expression(json.loads(call.function.arguments)["expression"])
+    followed = client.chat.completions.create(
+        model=job["fine_tuned_model"],
+        messages=[  # type: ignore[list-item]
+            *question,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {
+                "role": "tool",
+                "tool_call_id": call.id,
+                "content": str(value),
+            },
+        ],
+        tools=tools,
+        max_tokens=8,
+        temperature=0,
+    )
+    assert followed.choices[0].finish_reason == "stop" and followed.choices[0].message.content

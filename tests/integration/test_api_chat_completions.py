@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import httpx2
+import jsonschema
 import openai
 import pytest
 import torch
@@ -347,6 +348,60 @@ class TestBaseModel:
         assert MODEL in [m.id for m in client_a.models.list()]
 
 
+class TestStructuredOutputs:
+    def test_a_strict_json_schema_holds_on_200_samples_at_temperature_1(self, client_a: OpenAI) -> None:
+        fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": ANSWER_SCHEMA, "strict": True}}
+        choices = []
+        for seed in (1, 2):  # OpenAI's n is at most 128
+            completion = client_a.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": QUESTIONS[1]}],
+                temperature=1.0,
+                n=100,
+                seed=seed,
+                max_tokens=5,
+                response_format=fmt,  # type: ignore[arg-type]
+            )
+            choices += completion.choices
+        assert [c.finish_reason for c in choices] == ["stop"] * 200  # every answer ended: the grammar let EOS in
+        for c in choices:
+            jsonschema.validate(json.loads(c.message.content or ""), ANSWER_SCHEMA)
+
+    def test_json_cut_short_by_max_tokens_is_length(self, client_a: OpenAI) -> None:
+        fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": ANSWER_SCHEMA}}
+        completion = client_a.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTIONS[0]}],
+            temperature=0,
+            max_tokens=1,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+        assert completion.choices[0].finish_reason == "length"
+
+    def test_a_format_the_models_vocabulary_cannot_write_is_400(self, client_a: OpenAI) -> None:
+        with pytest.raises(openai.BadRequestError) as err:  # tiny-arith has no "{" token
+            ask(client_a, MODEL, QUESTIONS[0], response_format={"type": "json_object"})
+        assert err.value.param == "response_format" and "vocabulary" in err.value.message
+
+    def test_tools_and_tool_results_are_forwarded_to_the_template(self, client_a: OpenAI, greedy: Greedy) -> None:
+        # tiny-arith's template renders the contents alone: a tool result after a call is answered as a prompt
+        messages: list[Any] = [
+            {"role": "user", "content": "What is "},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "4 + 5?"},
+        ]
+        completion = client_a.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=[TOOL],
+            temperature=0,
+            max_tokens=MAX_TOKENS,  # type: ignore[list-item]
+        )
+        choice = completion.choices[0]
+        assert choice.message.content == greedy.answer(greedy.base, QUESTIONS[2]) and choice.finish_reason == "stop"
+        assert choice.message.tool_calls is None
+
+
 # -- fine-tuned models and checkpoints ------------------------------------------------------------------------
 
 
@@ -407,6 +462,11 @@ class TestFineTunedModels:
 # -- errors ---------------------------------------------------------------------------------------------------
 
 
+CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+ANSWER_SCHEMA = {"type": "integer", "minimum": 0, "maximum": 198}  # tiny-arith's vocabulary writes numbers only
+
+
 def chat_body(**overrides: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[0]}], **overrides}
 
@@ -439,7 +499,48 @@ class TestErrors:
             ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
             ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
             ({"messages": []}, "messages"),
-            ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+            ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
+            ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+            ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "call_1"}]}, "messages.0.tool_call_id"),
+            ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+            ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages.0.tool_calls"),
+            ({"tool_choice": "auto"}, "tool_choice"),  # without tools
+            ({"parallel_tool_calls": True}, "parallel_tool_calls"),  # without tools
+            ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+            (
+                {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+                "tool_choice.function.name",
+            ),
+            ({"tools": [TOOL, TOOL]}, "tools.1.function.name"),
+            ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
+            ({"tools": [{"type": "custom", "function": {"name": "f"}}]}, "tools.0.type"),
+            (
+                {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "thing"}}}]},
+                "tools.0.function.parameters",
+            ),
+            ({"response_format": {"type": "yaml"}}, "response_format"),
+            ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "thing"}}}},
+                "response_format.json_schema.schema",
+            ),
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+                "response_format.json_schema.schema",
+            ),
+            (
+                {
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": {"$ref": "https://x.io/s.json"}},
+                    }
+                },
+                "response_format.json_schema.schema",
+            ),
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "x/y", "schema": {}}}},
+                "response_format.json_schema.name",
+            ),
             (
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                 "messages.0.content.0.type",

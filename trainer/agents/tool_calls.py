@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from trainer.generation.constrained import Grammar, lark_grammar
 from trainer.spec.json_values import refuse_constant
 
 
@@ -341,6 +342,91 @@ def parser_for(tokenizer: PreTrainedTokenizerBase) -> ToolCallParser:
     if "<|python_tag|>" in source or ('"parameters"' in source and "<|start_header_id|>" in source):
         return Llama3JsonParser()
     return HermesParser()
+
+
+# --- constraining the calls -------------------------------------------------------------------------------------
+
+
+class ToolChoiceUnsupported(ValueError):
+    """A ``tool_choice`` that cannot be enforced in this model family's syntax."""
+
+
+_CALL_WS = "/[ \\t\\n]*/"
+
+
+def _call_schema(tool: Mapping[str, Any], k: int, defs: dict[str, Any]) -> dict[str, Any]:
+    """A Hermes call's JSON object for one function tool: its name, then arguments its parameters admit. The
+    parameters' definitions (``$defs``, ``definitions``) move into ``defs``, the wrapper's root ones, renamed for
+    tool ``k``: nested under ``arguments`` their ``$ref`` pointers from the root would no longer resolve."""
+    fn = tool.get("function", tool)
+    parameters = _hoisted(dict(fn.get("parameters") or {"type": "object"}), f"tool{k}_", defs)
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _hoisted(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` without its root definitions, which go into ``defs`` as ``prefix`` + name, every ``$ref`` to one
+    rewritten to ``#/$defs/<prefix><name>``."""
+    renames: dict[str, str] = {}
+    local: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.pop(key, None) or {}).items():
+            renames[f"#/{key}/{name}"] = f"#/$defs/{prefix}{name}"
+            local[f"{prefix}{name}"] = sub
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                head = next((r for r in renames if ref == r or ref.startswith(r + "/")), None)
+                if head is not None:
+                    out["$ref"] = renames[head] + ref[len(head) :]
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    defs.update({name: rewrite(sub) for name, sub in local.items()})
+    rewritten: dict[str, Any] = rewrite(schema)
+    return rewritten
+
+
+def call_grammar(
+    parser: ToolCallParser, tools: Sequence[Mapping[str, Any]], *, name: str | None, parallel: bool
+) -> Grammar:
+    """The turn when a call is required: one call (``parallel`` false) or several, of the tool ``name`` (None: any
+    of ``tools``), in the parser's syntax and nothing else. Only the Hermes syntax is supported
+    (:class:`ToolChoiceUnsupported` otherwise): its calls are self-delimited blocks that a grammar can require."""
+    if not isinstance(parser, HermesParser):
+        raise ToolChoiceUnsupported(f"forcing a tool call is not supported in the {type(parser).__name__} syntax")
+    chosen = [t for t in tools if name is None or t.get("function", t).get("name") == name]
+    if not chosen:
+        raise ToolChoiceUnsupported(f"no tool is named {name!r}")
+    defs: dict[str, Any] = {}
+    wrapper: dict[str, Any] = {"anyOf": [_call_schema(t, k, defs) for k, t in enumerate(chosen)]}
+    if defs:
+        wrapper["$defs"] = defs
+    schema = json.dumps(wrapper)
+    call = f'"{parser.open_tag}" {_CALL_WS} %json {schema} {_CALL_WS} "{parser.close_tag}"'
+    start = f"call ({_CALL_WS} call)*" if parallel else "call"
+    return lark_grammar(f"start: {start}\ncall: {call}\n")
+
+
+def call_markers(parser: ToolCallParser) -> tuple[str, ...]:
+    """The text that opens a call in the parser's syntax (banned to forbid calls: ``tool_choice: none``); none for
+    syntaxes without one (Llama's bare JSON calls, transformers' response templates)."""
+    if isinstance(parser, HermesParser):
+        return (parser.open_tag,)
+    if isinstance(parser, MistralParser):
+        return (parser.marker,)
+    if isinstance(parser, Llama3JsonParser):
+        return (parser.python_tag,)
+    return ()
 
 
 # --- the environment's tokens -----------------------------------------------------------------------------------

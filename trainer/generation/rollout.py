@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, Protocol, overload
 
 import torch
 from torch import Tensor
@@ -152,6 +152,24 @@ def _draw(weights: Tensor, generator: torch.Generator | None, uniform: Tensor | 
     return torch.minimum(idx, last)
 
 
+class Constraint(Protocol):
+    """What each row may sample next (``trainer.generation.constrained.RowConstraints``: a response format's
+    grammar): the logits with forbidden tokens at −inf, and each running row's sampled token fed back."""
+
+    def mask(self, logits: Tensor, done: Tensor) -> Tensor:
+        """logits [N, V], done [N] → the logits to sample from, [N, V]."""
+        ...
+
+    def advance(self, tokens: Tensor, done: Tensor) -> None:
+        """tokens [N] sampled at this step; done [N] the rows that had ended before it."""
+        ...
+
+    def dead(self) -> Tensor:
+        """[N] bool on the CPU: the rows whose grammar the vocabulary could not continue, so that they could only
+        end (EOS) with an answer that is not whole."""
+        ...
+
+
 def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device) -> Tensor:
     """[N, steps] U(0, 1) draws, row i's from its own generator seeded with ``seeds[i]``."""
     rows = [torch.rand(steps, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64) for s in seeds]
@@ -242,6 +260,7 @@ def generate(
     with_logprobs: Literal[False] = False,
     decoder: StaticDecoder | None = None,
     lockstep: Callable[[bool], bool] | None = None,
+    constraint: Constraint | None = None,
 ) -> Rollout: ...
 
 
@@ -266,6 +285,7 @@ def generate(
     with_logprobs: Literal[True],
     decoder: StaticDecoder | None = None,
     lockstep: Callable[[bool], bool] | None = None,
+    constraint: Constraint | None = None,
 ) -> tuple[Rollout, Tensor]: ...
 
 
@@ -290,6 +310,7 @@ def generate(
     with_logprobs: bool,
     decoder: StaticDecoder | None = None,
     lockstep: Callable[[bool], bool] | None = None,
+    constraint: Constraint | None = None,
     share_prompts: bool = False,
 ) -> Rollout | tuple[Rollout, Tensor]: ...
 
@@ -315,6 +336,7 @@ def generate(
     with_logprobs: bool = False,
     decoder: StaticDecoder | None = None,
     lockstep: Callable[[bool], bool] | None = None,
+    constraint: Constraint | None = None,
     share_prompts: bool = False,
 ) -> Rollout | tuple[Rollout, Tensor]:
     """Sample one completion per prompt row with a KV cache. prompt_ids, prompt_mask [N, P] → :class:`Rollout`.
@@ -340,6 +362,10 @@ def generate(
 
     ``share_prompts``: rows with the same prompt (a group's samples) share its prefill (:func:`distinct_prompts`):
     each distinct prompt is run once and its keys and values copied to its rows (on either cache).
+
+    ``constraint`` (a response format's grammar, :class:`Constraint`) restricts what each row samples; the log-probs
+    stay the model's own (what :func:`completion_logprobs` recomputes for the loss), taken before the mask; a row whose
+    grammar went dead ends on EOS, but incomplete: ``truncated``, as serving reports it (``length``).
     """
     forwards = _Forwards(model, prompt_ids, prompt_mask, max_new_tokens, decoder, precision)
     logits = forwards.prefill(prompt_ids, prompt_mask, share_prompts)
@@ -348,8 +374,8 @@ def generate(
     )
     uniforms = None if row_seeds is None else row_uniforms(row_seeds, max_new_tokens, prompt_ids.device)
     sampler = _Sampler(eos_id, temperature, top_p, top_k, min_new_tokens, generator, uniforms)
-    _decode(forwards, rows, sampler, logits, max_new_tokens, lockstep)
-    return rows.result(prompt_ids, prompt_mask)
+    _decode(forwards, rows, sampler, logits, max_new_tokens, lockstep, constraint)
+    return rows.result(prompt_ids, prompt_mask, None if constraint is None else constraint.dead().to(rows.done.device))
 
 
 @dataclass
@@ -443,11 +469,15 @@ class _Completions:
         self.done = self.done | newly
         return tok
 
-    def result(self, prompt_ids: Tensor, prompt_mask: Tensor) -> Rollout | tuple[Rollout, Tensor]:
-        """The rollout, its completions as wide as the longest (and the log-probs [N, C] when asked for)."""
+    def result(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, cut: Tensor | None = None
+    ) -> Rollout | tuple[Rollout, Tensor]:
+        """The rollout, its completions as wide as the longest (and the log-probs [N, C] when asked for); ``cut``
+        [N] bool: rows truncated although they ended (a dead grammar's EOS)."""
         width = int(self.lengths.max())
         cmask = (torch.arange(width, device=self.lengths.device).unsqueeze(0) < self.lengths.unsqueeze(-1)).long()
-        rollout = Rollout(prompt_ids, prompt_mask, self.tokens[:, :width], cmask, self.lengths, ~self.done)
+        truncated = ~self.done if cut is None else ~self.done | cut
+        rollout = Rollout(prompt_ids, prompt_mask, self.tokens[:, :width], cmask, self.lengths, truncated)
         if self.logps is not None:
             return rollout, self.logps[:, :width]
         return rollout
@@ -544,11 +574,18 @@ def _decode(
     logits: Tensor,
     max_new_tokens: int,
     lockstep: Callable[[bool], bool] | None,
+    constraint: Constraint | None = None,
 ) -> None:
     """Sample token after token into ``rows`` until every row has ended (on every rank, with ``lockstep``) or
-    ``max_new_tokens`` were sampled; the last token is not run through the model."""
+    ``max_new_tokens`` were sampled; the last token is not run through the model. Under a ``constraint`` each row
+    samples from its masked logits, and its log-prob is the unmasked one's."""
     for t in range(max_new_tokens):
-        tok = rows.add(t, sampler.next_token(logits, t), logits, sampler)
+        if constraint is None:
+            tok = rows.add(t, sampler.next_token(logits, t), logits, sampler)
+        else:
+            ended = rows.done.clone()
+            tok = rows.add(t, sampler.next_token(constraint.mask(logits, ended), t), logits, sampler)
+            constraint.advance(tok, ended)
         finished = bool(rows.done.all())
         if lockstep is not None and t < max_new_tokens - 1:
             finished = not lockstep(not finished)

@@ -24,6 +24,7 @@ from peft import PeftModel
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from trainer.generation.constrained import Grammar, RowConstraints
 from trainer.generation.models import MergedSampler, Precision, fast_bf16_available
 from trainer.generation.rollout import Rollout, StaticDecoder, generate, left_pad
 
@@ -103,7 +104,10 @@ class HFRolloutEngine:
 
     In bf16 it samples from a merged bf16 copy of the base (``trainer.generation.models.MergedSampler``: W + ΔW,
     refreshed when the weights changed), about half the generation time; its log-probs then differ from the trainer's by
-    bf16 rounding and are not exact. In fp32 the policy samples itself and its log-probs are the trainer's."""
+    bf16 rounding and are not exact. In fp32 the policy samples itself and its log-probs are the trainer's.
+
+    ``grammar`` (a job's ``response_format``, ``trainer.generation.constrained.response_grammar``) constrains every
+    completion it samples, training and validation alike; it needs the ``tokenizer``."""
 
     def __init__(
         self,
@@ -118,7 +122,11 @@ class HFRolloutEngine:
         decode: DecodeMode = "dynamic",
         lockstep: Callable[[bool], bool] | None = None,
         whole_weights: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
+        if grammar is not None and tokenizer is None:
+            raise ValueError("a grammar needs the engine's tokenizer")
+        self.grammar = grammar
         self.policy, self.eos_id, self.pad_id = policy, eos_id, pad_id
         self.lockstep = lockstep  # a sharded policy's ranks decode in lockstep (trainer.generation.rollout.generate)
         self.whole_weights = whole_weights  # a sharded policy gathered whole for each generation (distributed.gathered)
@@ -178,6 +186,10 @@ class HFRolloutEngine:
         t0 = time.perf_counter()
         model, precision = self.sampling_model()
         stop_text = self._stop_text(params.stop_strings) if params.stop_strings else None
+        constraint = None
+        if self.grammar is not None:
+            assert self.tokenizer is not None  # checked at construction
+            constraint = RowConstraints(self.grammar, self.tokenizer, len(prompts))
         if self.decode != "dynamic" and (self._decoder is None or self._decoder.model is not model):
             self._decoder = StaticDecoder(model, compiled=self.decode == "compiled")
         with self.whole_weights() if self.whole_weights is not None else contextlib.nullcontext():
@@ -202,6 +214,7 @@ class HFRolloutEngine:
                 decoder=self._decoder if self.decode != "dynamic" else None,
                 lockstep=self.lockstep,
                 share_prompts=True,
+                constraint=constraint,
             )
         rollout, logp = out if isinstance(out, tuple) else (out, None)
         return Generation(rollout, logp, time.perf_counter() - t0)

@@ -26,6 +26,10 @@ decoded as ``trainer.loops.evaluate`` decodes it. In fp32 this is the trainer's 
 rounding of batching; in bf16 the trainer samples from a merged bf16 copy (``trainer.generation.models.MergedSampler``)
 and the two agree only up to bf16 rounding.
 
+A request may carry a grammar (``Sampling.grammar``: a response format's JSON schema, a forced tool call, banned
+call tokens): each choice then samples only the tokens its own matcher allows (``trainer.generation.constrained``),
+EOS only where the grammar is complete.
+
 Sampling draws each choice's tokens from a generator of its own (``seed``: choice ``i`` of a request with seed
 ``s`` is seeded ``s + i``), so a seeded request gives the same tokens whatever else shares its wave, as long as its
 logits do: they are computed in a batch whose padding depends on the other rows, which moves them by float rounding
@@ -37,11 +41,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
+from jinja2 import TemplateError
 
+from trainer.agents.tool_calls import ToolCallParser, parser_for
+from trainer.generation.constrained import GrammarError, TokenConstraint, constraints
 from trainer.generation.encoding import prompt_text
 from trainer.generation.models import Precision
 from trainer.serving.inference_models import EngineStats, ModelCache
@@ -186,12 +194,26 @@ class InferenceEngine:
 
     # -- prompts -----------------------------------------------------------------------------------------------
 
-    def encode_chat(self, base: str, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, base: str, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """The messages through the base's chat template with the generation prompt, as the trainer encodes a
-        prompt (``trainer.generation.encoding.encode_prompts``)."""
+        prompt (``trainer.generation.encoding.encode_prompts``), ``tools`` (OpenAI's function tools) passed to the
+        template as an agent job's are. Messages may hold tool calls and tool results (OpenAI's shapes)."""
         tok, b = self._models.tokenizer(base)
+        kwargs = {"tools": [dict(t) for t in tools]} if tools else None
+        rows = cast(list[dict[str, str]], [dict(m) for m in messages])  # the template reads any JSON values
         with b.token_lock:
-            return list(tok(prompt_text(tok, messages), add_special_tokens=False)["input_ids"])
+            try:
+                text = prompt_text(tok, rows, kwargs)
+            except TemplateError as err:  # a template that refuses a conversation (roles out of order, ...)
+                raise EngineError(f"the model's chat template refuses the messages: {err}", param="messages") from None
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def tool_parser(self, base: str) -> ToolCallParser:
+        """The parser of the base's tool-call syntax (``trainer.agents.tool_calls.parser_for``)."""
+        tok, _ = self._models.tokenizer(base)
+        return parser_for(tok)
 
     def encode_text(self, base: str, prompt: str) -> list[int]:
         """A plain prompt (completions), with the tokenizer's special tokens as vLLM adds them."""
@@ -231,8 +253,25 @@ class InferenceEngine:
         if not prompt:
             raise EngineError("the prompt is empty", param="prompt")
         req = Request(base, adapter, list(prompt), sampling, on_event, rows_left=sampling.n)
+        req.constraints = self._constraints(base, sampling)
         self._queue.put(req)
         return Ticket(req)
+
+    def _constraints(self, base: str, sampling: Sampling) -> list[TokenConstraint] | None:
+        """Each choice's constraint under the request's grammar (None without one); a grammar that does not compile
+        for the base's tokenizer, or that its vocabulary cannot begin to write, is an :class:`EngineError`."""
+        if sampling.grammar is None:
+            return None
+        tok, b = self._models.tokenizer(base)
+        param = sampling.grammar_param
+        try:
+            with b.token_lock:
+                rows = constraints(sampling.grammar, tok, sampling.n)
+        except GrammarError as err:
+            raise EngineError(f"{param}: {err}", param=param) from None
+        if not rows[0].writable(len(tok)):
+            raise EngineError(f"{param}: this model's vocabulary cannot write an answer in this format", param=param)
+        return rows
 
     def generate(self, model: str, prompt: list[int], sampling: Sampling, *, timeout: float = 300.0) -> Completion:
         """:meth:`submit` and wait: the whole result (a blocking convenience for tests and scripts)."""

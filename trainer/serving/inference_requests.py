@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trainer.generation.constrained import Grammar, TokenConstraint
+
 log = logging.getLogger("proxima.inference")
 
 FinishReason = Literal["stop", "length"]
@@ -36,6 +38,11 @@ class Sampling:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: Grammar | None = None  # what each choice may write (trainer.generation.constrained)
+    grammar_param: str = "response_format"  # the request's parameter that asked for the grammar (its errors)
+    # special tokens whose text stays in the decoded text (a tool-call parser's markers, such as Mistral's
+    # [TOOL_CALLS]); every other special token is dropped from it, as trainer.loops.evaluate decodes
+    keep_special: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,7 @@ class Request:
     cancelled: bool = False
     rows_left: int = 0
     completion_tokens: int = 0
+    constraints: list[TokenConstraint] | None = None  # one per choice, with a grammar
 
     def emit(self, event: Event) -> None:
         """Hand ``event`` to the request's callback (on the model thread)."""

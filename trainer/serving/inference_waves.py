@@ -22,6 +22,7 @@ from peft import PeftModel
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from trainer.generation.constrained import TokenConstraint, mask_logits
 from trainer.generation.models import ModelError, Precision, autocast
 from trainer.generation.rollout import _sample_next, left_pad, position_ids
 from trainer.serving.inference_models import Base, EngineStats, ModelCache
@@ -54,6 +55,26 @@ class _Row:
     text: str = ""  # the decoded text, cut at a stop string
     sent: int = 0  # characters of text already sent
     finish: FinishReason | None = None
+    constraint: TokenConstraint | None = None  # what the row may write next (a grammar), else anything
+    drop: frozenset[int] | None = None  # with kept special tokens: the special ids dropped from the text
+
+
+def special_ids_dropped(tokenizer: Any, keep: Sequence[str]) -> frozenset[int] | None:
+    """The special token ids that a text keeping the special tokens ``keep`` leaves out (every special token but
+    those): None when ``keep`` names none of the tokenizer's special tokens (the text skips them all)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+    vocab = tokenizer.get_vocab()
+    kept = {vocab[m] for m in keep if m in vocab} & special
+    return frozenset(special - kept) if kept else None
+
+
+def decoded(tokenizer: Any, ids: list[int], drop: frozenset[int] | None) -> str:
+    """The text of ``ids`` without special tokens, except those not in ``drop`` (a tool-call parser's markers:
+    a call opened by a special token would otherwise lose its marker and read as content)."""
+    if drop is None:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))  # as trainer.loops.evaluate decodes
+    return str(tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False))
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -127,7 +148,9 @@ class WaveDecoder:
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
         """One token per row from logits [N, V]: greedy rows by argmax, the others by ``_sample_next`` (the
-        trainer's sampler: softmax(z/T) within the top-p nucleus) with the row's own generator."""
+        trainer's sampler: softmax(z/T) within the top-p nucleus) with the row's own generator; a row under a
+        grammar among the tokens it allows (the log-probs stay the model's own)."""
+        logits = mask_logits(logits, [r.constraint for r in rows])
         greedy = logits.argmax(-1)
         out = greedy.tolist()
         for k, row in enumerate(rows):
@@ -168,12 +191,16 @@ class WaveDecoder:
         row.req.completion_tokens += 1
         s = row.req.sampling
         logprobs: tuple[TokenLogprob, ...] = ()
+        grammar = row.constraint
+        if grammar is not None:
+            grammar.advance(tok)
         if tok == eos:
-            row.finish = "stop"
+            # EOS under a grammar that left no token ends an answer that is not whole: it was cut, not finished
+            row.finish = "length" if grammar is not None and grammar.dead else "stop"
         else:
             row.ids.append(tok)
             with lock:
-                row.text = tokenizer.decode(row.ids, skip_special_tokens=True)  # as trainer.loops.evaluate decodes
+                row.text = decoded(tokenizer, row.ids, row.drop)
             logprobs = (lp,) if lp is not None else ()
             cut = _first_stop(row.text, s.stop) if s.stop else -1
             if cut >= 0:
@@ -190,12 +217,18 @@ class WaveDecoder:
     def _rows(self, requests: list[Request]) -> list[_Row]:
         rows: list[_Row] = []
         for req in requests:
+            drop = None
+            if req.sampling.keep_special:
+                b = self.models.bases[req.base]
+                with b.token_lock:
+                    drop = special_ids_dropped(b.tokenizer, req.sampling.keep_special)
             for i in range(req.sampling.n):
                 gen = None
                 if req.sampling.temperature > 0:
                     seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(62)
                     gen = torch.Generator(self.device).manual_seed((seed + i) % 2**63)
-                rows.append(_Row(req, i, gen))
+                constraint = req.constraints[i] if req.constraints else None
+                rows.append(_Row(req, i, gen, constraint=constraint, drop=drop))
         self.stats.rows += len(rows)
         return rows
 

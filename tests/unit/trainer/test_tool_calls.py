@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import string
+import threading
 from typing import Any
 
 import pytest
@@ -17,11 +18,15 @@ from trainer.agents.tool_calls import (
     MistralParser,
     ResponseTemplateParser,
     ToolCallFormatError,
+    call_markers,
     environment_segment,
     parser_for,
 )
 from trainer.builtin_models import tiny_arith
+from trainer.generation.constrained import constraints, text_without
 from trainer.generation.encoding import prompt_text
+from trainer.serving.inference_requests import Request, Sampling
+from trainer.serving.inference_waves import WaveDecoder, _Row, decoded, special_ids_dropped
 
 # --- a small ChatML tokenizer with a Qwen-like template (shared with test_episodes) ------------------------------
 
@@ -372,3 +377,61 @@ class TestEnvironmentSegment:
         digit = tok.convert_tokens_to_ids
         assert environment_segment(tok, [tool_message("42")]) == [digit("4"), digit("2")]
         assert environment_segment(tok, [tool_message("1"), tool_message("23")]) == [digit("1"), digit("2"), digit("3")]
+
+
+# --- the inference server's text of a turn ----------------------------------------------------------------------
+
+
+def special_marker_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character, Mistral's and Llama's call markers special tokens (as their tokenizers have them)."""
+    special = ["<pad>", "</s>", "[TOOL_CALLS]", "<|python_tag|>", "[INST]"]
+    vocab = {t: i for i, t in enumerate(special + sorted(set(string.printable)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", additional_special_tokens=special[2:]
+    )
+
+
+@pytest.mark.parametrize(
+    ("parser", "marker", "body"),
+    [
+        (MistralParser(), "[TOOL_CALLS]", '[{"name": "f", "arguments": {"x": 1}}]'),
+        (Llama3JsonParser(), "<|python_tag|>", '{"name": "f", "arguments": {"x": 1}}'),
+    ],
+    ids=["mistral", "llama"],
+)
+def test_the_servers_text_keeps_a_special_call_marker_for_the_parser(parser: Any, marker: str, body: str) -> None:
+    tok = special_marker_tokenizer()
+    drop = special_ids_dropped(tok, call_markers(parser))
+    assert drop is not None and tok.convert_tokens_to_ids(marker) not in drop
+    generated = [*ids(tok, "Sure."), tok.convert_tokens_to_ids(marker), tok.convert_tokens_to_ids("[INST]")]
+    generated += ids(tok, body)
+    # as the engine decodes a row: other special tokens still leave the text
+    decoder = WaveDecoder.__new__(WaveDecoder)
+    req = Request("m", None, [0], Sampling(max_tokens=99, keep_special=call_markers(parser)), lambda ev: None)
+    row = _Row(req, 0, None, drop=drop)
+    for t in generated:
+        decoder._accept(row, t, None, tok.eos_token_id, tok, threading.Lock())
+    assert row.text == f"Sure.{marker}{body}"
+    turn = parser.parse(row.text)
+    assert turn.content == "Sure." and [(c.name, json.loads(c.arguments)) for c in turn.calls] == [("f", {"x": 1})]
+    assert tok.decode(generated, skip_special_tokens=True) == f"Sure.{body}"  # what the server parsed before
+    assert decoded(tok, generated, special_ids_dropped(tok, ())) == f"Sure.{body}"  # no markers kept: as before
+
+
+@pytest.mark.parametrize(
+    "parser", [HermesParser(), MistralParser(), Llama3JsonParser()], ids=lambda p: type(p).__name__
+)
+def test_tool_choice_none_forbids_the_marker_spelt_in_pieces(parser: Any) -> None:
+    tok = chatml_tokenizer()  # one token per character: any marker can be spelt a character at a time
+    [marker] = call_markers(parser)
+    [c] = constraints(text_without(call_markers(parser)), tok, 1)
+    for ch in "ok " + marker[:-1]:
+        assert bool(c.allowed(len(tok))[tok.convert_tokens_to_ids(ch)])
+        c.advance(tok.convert_tokens_to_ids(ch))
+    ok = c.allowed(len(tok))
+    assert not bool(ok[tok.convert_tokens_to_ids(marker[-1])])  # the marker's last character would complete it
+    assert bool(ok[tok.convert_tokens_to_ids("x")]) and bool(ok[tok.eos_token_id]) and not c.dead
+    assert not bool(ok[tok.convert_tokens_to_ids("<tool_call>")])  # the marker's own token, as before
