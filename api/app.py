@@ -28,6 +28,7 @@ from api.guards import RequestGuard
 from api.routes import (
     dashboard,
     docs,
+    evals,
     files,
     graders,
     health,
@@ -165,6 +166,7 @@ def _install_routes(app: FastAPI) -> list[BaseRoute]:
         inference.router,
         health.router,
         webhooks.router,
+        evals.router,
         tinker.router,
         training_sessions.router,
     )

@@ -1,4 +1,4 @@
-"""Object ids with OpenAI's prefixes: ``file-…``, ``ftjob-…``, ``ftevent-…``, ``ftckpt_…``."""
+"""Object ids with OpenAI's prefixes: ``file-…``, ``ftjob-…``, ``ftevent-…``, ``ftckpt_…``, ``eval_…`` and others."""
 
 from __future__ import annotations
 
@@ -67,3 +67,18 @@ def tinker_request_id() -> str:
 def download_token() -> str:
     """The capability in an exported weights' download URL."""
     return _token(40)
+
+
+def eval_id() -> str:
+    """An eval (OpenAI's are ``eval_…``)."""
+    return f"eval_{_token()}"
+
+
+def eval_run_id() -> str:
+    """A run of an eval (OpenAI's are ``evalrun_…``)."""
+    return f"evalrun_{_token()}"
+
+
+def output_item_id() -> str:
+    """One graded item of an eval run (OpenAI's are ``outputitem_…``)."""
+    return f"outputitem_{_token()}"

@@ -49,6 +49,8 @@ class File(Base):
     storage_key: Mapped[str] = mapped_column(String(512))
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    # From `expires_after` at upload; the sweeper deletes the file once this unix time has passed.
+    expires_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class _Status(TypeDecorator[JobStatus]):
@@ -84,6 +86,8 @@ class Job(Base):
     metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     fine_tuned_model: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    # When the tenant deleted the fine-tuned model: the job still names it, but it no longer resolves.
+    model_deleted_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     result_files: Mapped[list[str]] = mapped_column(JSON, default=list)
     trained_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     estimated_finish: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
@@ -168,14 +172,17 @@ class WebhookEndpoint(Base):
 
 
 class WebhookEvent(Base):
-    """The outbox: written in the same transaction as the job's status change, so no event is lost to a crash."""
+    """The outbox: written in the same transaction as the job's (or eval run's) status change, so no event is lost to a
+    crash."""
 
     __tablename__ = "webhook_events"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     type: Mapped[str] = mapped_column(String(64))
-    job_id: Mapped[str] = mapped_column(String(64))
+    # What the event is about, its payload's ``data.id``: a job, an eval run, an endpoint (a test event).
+    subject_type: Mapped[str] = mapped_column(String(32))
+    subject_id: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
 
@@ -340,3 +347,70 @@ class SessionCheckpoint(Base):
     # Exported weights (``external_weights``) are fetched by a plain GET of ``/api/v1/weights/<token>/<file>``, as
     # the SDK's download does: the token is the capability, valid until ``expires_at``.
     download_token: Mapped[str | None] = mapped_column(String(64), nullable=True, unique=True)
+
+
+# -- evals: OpenAI's Evals API (an eval's criteria, its runs leased like jobs, each run's graded items) --------------
+
+
+class Eval(Base):
+    __tablename__ = "evals"
+    __table_args__ = (Index("ix_evals_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(256))
+    data_source_config: Mapped[dict[str, Any]] = mapped_column(JSON)  # {type: custom, item_schema, include_sample…}
+    testing_criteria: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # validated graders + pass rules
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    updated_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class EvalRun(Base):
+    """A run: claimed by one worker at a time with a lease it renews; an expired lease makes it claimable again, and
+    the next owner goes on after the output items already written."""
+
+    __tablename__ = "eval_runs"
+    __table_args__ = (
+        Index("ix_eval_runs_eval_created", "eval_id", "created_at"),
+        Index("ix_eval_runs_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    eval_id: Mapped[str] = mapped_column(ForeignKey("evals.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16))  # api.status.EvalRunStatus
+    data_source: Mapped[dict[str, Any]] = mapped_column(JSON)  # as validated (inline content included)
+    model: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    result_counts: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
+    per_testing_criteria_results: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    per_model_usage: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    started_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    enqueued_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class EvalOutputItem(Base):
+    """One data source item of a run, sampled (a completions run) and graded by every criterion."""
+
+    __tablename__ = "eval_output_items"
+    __table_args__ = (Index("ix_eval_output_items_run_item", "run_id", "datasource_item_id", unique=True),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("eval_runs.id", ondelete="CASCADE"))
+    eval_id: Mapped[str] = mapped_column(String(64))
+    datasource_item_id: Mapped[int] = mapped_column(Integer)  # the item's index in the data source
+    datasource_item: Mapped[dict[str, Any]] = mapped_column(JSON)
+    sample: Mapped[dict[str, Any]] = mapped_column(JSON)  # {} for a jsonl row without one: never JSON null
+    results: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(8))  # pass | fail
+    errored: Mapped[bool] = mapped_column(Boolean, default=False)  # the sample or a criterion produced no score
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)

@@ -1,6 +1,7 @@
 """API schemas of webhooks, shaped as OpenAI's ``/v1/webhook_endpoints`` (``openai.types.webhooks``): an endpoint,
 the endpoint with its signing secret (the create and rotate answers only), a deleted endpoint, the event types; and
-our extension, the endpoint's delivery log (``GET /v1/webhook_endpoints/{id}/deliveries``)."""
+our extensions, the endpoint's delivery log (``GET /v1/webhook_endpoints/{id}/deliveries``) and its test
+(``POST /v1/webhook_endpoints/{id}/test``, answered with the attempt)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,23 @@ class WebhookEventTypeList(BaseModel):
     data: list[str]
 
 
+class WebhookTest(_Request):
+    """``client.webhooks.test``'s body: the type of the sample event to send."""
+
+    event_type: str = Field(description="one of the event types an endpoint may subscribe to")
+
+
+class WebhookEndpointTestResult(BaseModel):
+    """OpenAI's answer to a test: the receiver answered (``status_code`` says how); one that could not be reached
+    is a 400 ``endpoint_unreachable`` instead. The attempt is in the endpoint's delivery log either way."""
+
+    object: Literal["webhook_endpoint.test"] = "webhook_endpoint.test"
+    webhook_endpoint_id: str
+    event_type: str
+    status_code: int = Field(description="the HTTP status the endpoint answered")
+    success: Literal[True] = True
+
+
 class WebhookDeliveryObject(BaseModel):
     """One attempt at delivering an event to the endpoint (extension: OpenAI shows its log only in its dashboard)."""
 
@@ -91,7 +109,11 @@ class WebhookDeliveryObject(BaseModel):
     webhook_endpoint_id: str
     event_id: str = Field(description="the event's id, also the delivery's `webhook-id` header")
     event_type: str
-    job_id: str = Field(description="the event's `data.id`")
+    subject_type: Literal["fine_tuning.job", "eval.run", "webhook_endpoint"] = Field(
+        description="what the event is about: a job, an eval run, or the endpoint itself (a test event)"
+    )
+    subject_id: str = Field(description="the event's `data.id`")
+    job_id: str | None = Field(description="the event's `data.id` when it is about a job, else null")
     attempt: int = Field(description="1 for the event's first attempt at this endpoint")
     created_at: int = Field(description="when the attempt was made")
     duration_ms: int
@@ -109,7 +131,9 @@ class WebhookDeliveryObject(BaseModel):
             webhook_endpoint_id=attempt.endpoint_id,
             event_id=event.id,
             event_type=event.type,
-            job_id=event.job_id,
+            subject_type=event.subject_type,  # type: ignore[arg-type]
+            subject_id=event.subject_id,
+            job_id=event.subject_id if event.subject_type == webhook_events.JOB_SUBJECT else None,
             attempt=attempt.attempt,
             created_at=attempt.created_at,
             duration_ms=attempt.duration_ms,

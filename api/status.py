@@ -22,6 +22,22 @@ class JobStatus(StrEnum):
     PAUSED = "paused"  # ours: stopped at a checkpoint, resumable
 
 
+class EvalRunStatus(StrEnum):
+    """An eval run's status (OpenAI's): queued → in_progress → completed | failed | canceled."""
+
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+EVAL_RUN_TERMINAL: frozenset[EvalRunStatus] = frozenset(
+    {EvalRunStatus.COMPLETED, EvalRunStatus.FAILED, EvalRunStatus.CANCELED}
+)
+"""The statuses an eval run ends in."""
+
+
 LIFECYCLE = (
     JobStatus.VALIDATING_FILES,
     JobStatus.QUEUED,

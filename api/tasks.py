@@ -8,8 +8,11 @@ from typing import Any
 RUN_JOB = "proxima.jobs.run"
 """Validate (if not yet done), claim and run one job; the only argument is the job's id."""
 
+RUN_EVAL = "proxima.evals.run"
+"""Claim and run one eval run (sample its items if it samples, grade them, count them); the only argument is its id."""
+
 DEFAULT_QUEUE = "celery"
-"""Celery's default queue: the jobs that need one device, which every worker takes."""
+"""Celery's default queue: the jobs that need one device, and eval runs, which every worker takes."""
 
 
 def queue_for(gpus: int) -> str:

@@ -1,8 +1,9 @@
 """Webhook events as OpenAI sends them, signed as Standard Webhooks (https://www.standardwebhooks.com).
 
-A job that ends (or pauses) becomes an event ``{"id": "evt_…", "object": "event", "created_at", "type",
-"data": {"id": <job id>}}`` (OpenAI's ``openai.types.webhooks.FineTuningJob*WebhookEvent``). Each delivery is a POST
-of that JSON with three headers:
+A job that ends (or pauses) or an eval run that ends becomes an event ``{"id": "evt_…", "object": "event",
+"created_at", "type", "data": {"id": <its subject's id>}}`` (OpenAI's ``openai.types.webhooks``
+``FineTuningJob*WebhookEvent`` and ``EvalRun*WebhookEvent``); the subject (a job, an eval run, or an endpoint for a
+test event) is recorded with the event. Each delivery is a POST of that JSON with three headers:
 
 - ``webhook-id``: the event's id (the same on every retry, so that a receiver can drop a duplicate);
 - ``webhook-timestamp``: unix seconds when this attempt was sent (a receiver refuses one too old: OpenAI's client
@@ -26,7 +27,7 @@ import secrets
 from collections.abc import Iterable
 from typing import Any
 
-from api.status import JobStatus
+from api.status import EvalRunStatus, JobStatus
 
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32
@@ -38,8 +39,19 @@ EVENT_BY_STATUS: dict[JobStatus, str] = {
     JobStatus.PAUSED: "fine_tuning.job.paused",  # ours: OpenAI's jobs do not pause
 }
 """The statuses whose arrival is an event, and the event's type."""
-EVENT_TYPES: tuple[str, ...] = tuple(EVENT_BY_STATUS.values())
-"""Every event type an endpoint may subscribe to, in the lifecycle's order."""
+EVAL_RUN_EVENTS: dict[EvalRunStatus, str] = {
+    EvalRunStatus.COMPLETED: "eval.run.succeeded",
+    EvalRunStatus.FAILED: "eval.run.failed",
+    EvalRunStatus.CANCELED: "eval.run.canceled",
+}
+"""An eval run's final statuses and the event each sends (OpenAI's names)."""
+EVENT_TYPES: tuple[str, ...] = (*EVENT_BY_STATUS.values(), *EVAL_RUN_EVENTS.values())
+"""Every event type an endpoint may subscribe to, in the lifecycles' order."""
+TEST_EVENT = "webhook_endpoint.test"
+"""The event ``POST /v1/webhook_endpoints/{id}/test`` sends (its ``data.id`` is the endpoint's): not subscribed to."""
+
+JOB_SUBJECT, EVAL_RUN_SUBJECT, ENDPOINT_SUBJECT = "fine_tuning.job", "eval.run", "webhook_endpoint"
+"""What an event can be about (``webhook_events.subject_type``)."""
 
 
 def event_type_for(status: JobStatus | str) -> str | None:
@@ -57,14 +69,14 @@ def secret_hint(secret: str) -> str:
     return f"{SECRET_PREFIX}…{secret[-4:]}"
 
 
-def payload(*, event_id: str, event_type: str, created_at: int, job_id: str) -> bytes:
+def payload(*, event_id: str, event_type: str, created_at: int, subject_id: str) -> bytes:
     """The event's JSON body, compact and in a fixed key order (a retry sends the same bytes)."""
     body: dict[str, Any] = {
         "id": event_id,
         "object": "event",
         "created_at": created_at,
         "type": event_type,
-        "data": {"id": job_id},
+        "data": {"id": subject_id},
     }
     return json.dumps(body, separators=(",", ":")).encode()
 

@@ -1,5 +1,5 @@
-"""The Celery application. The broker message is only a wake-up call carrying a job id: the database lease decides
-who runs the job, so a redelivered or duplicated message is harmless."""
+"""The Celery application. The broker message is only a wake-up call carrying a job's (or an eval run's) id: the
+database lease decides who runs it, so a redelivered or duplicated message is harmless."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from celery import Celery
 
 from api.settings import Settings, get_settings
 
-app = Celery("proxima", include=["worker.tasks"])
+# worker.evals registers proxima.evals.run beside worker.tasks' proxima.jobs.run.
+app = Celery("proxima", include=["worker.tasks", "worker.evals"])
 _settings: Settings | None = None
 
 

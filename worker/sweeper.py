@@ -12,7 +12,10 @@ thread that, every ``interval`` seconds:
    grace period whose message the broker no longer holds (``worker.broker``): lost with a broker restart, or never
    sent. A job that merely waits behind busy workers keeps its one message and its place in the queue. Where the
    broker's contents cannot be read, a job waiting past the grace period is re-sent (at most once a grace period);
-4. every ``cleanup_every`` seconds, removes the artifact store's orphans (``api.services.cleanup``).
+4. the same for eval runs (``worker.evals.sweep_eval_runs``): a canceled run whose worker died ends ``canceled``, one
+   whose worker died is sent again, and so is a queued one whose ``proxima.evals.run`` message the broker no longer
+   holds (read as for jobs: :func:`worker.broker.held_task_ids`);
+5. every ``cleanup_every`` seconds, removes the artifact store's orphans (``api.services.cleanup``).
 
 A job re-enqueued twice is harmless: the lease lets one worker run it.
 """
@@ -30,8 +33,9 @@ from api.repositories import runs
 from api.services.cleanup import clean_orphans
 from api.settings import Settings
 from api.storage import store_from_url
-from api.tasks import RUN_JOB, queue_for, queues_of
-from worker.broker import held_job_ids
+from api.tasks import DEFAULT_QUEUE, RUN_EVAL, RUN_JOB, queue_for, queues_of
+from worker.broker import held_job_ids, held_task_ids
+from worker.evals import sweep_eval_runs
 from worker.outbox import is_transient
 
 log = logging.getLogger("proxima.sweeper")
@@ -69,6 +73,20 @@ def sweep_once(app: Celery, settings: Settings, *, queued_grace_seconds: float =
     return sent
 
 
+def sweep_evals_once(app: Celery, settings: Settings, *, queued_grace_seconds: float = QUEUED_GRACE_S) -> list[str]:
+    """Step 4; returns the ids of the eval runs it sent a message for."""
+    try:  # read before the runs, as for jobs
+        held = held_task_ids(app, task=RUN_EVAL, reserved_grace_s=queued_grace_seconds, queues=[DEFAULT_QUEUE])
+    except Exception:
+        log.warning("could not read the broker's queue; re-sending every waiting eval run", exc_info=True)
+        held = None
+    return sweep_eval_runs(app, settings, queued_grace_seconds=queued_grace_seconds, held=held)
+
+
+# -- what the broker holds, for any task whose first argument is the id of its row --------------------------
+# (worker.broker reads the same for proxima.jobs.run only)
+
+
 class Sweeper(threading.Thread):
     def __init__(
         self,
@@ -88,13 +106,14 @@ class Sweeper(threading.Thread):
     def run(self) -> None:
         next_cleanup = time.monotonic() + self.cleanup_every
         while not self.stopped.wait(self.interval):
-            try:
-                sweep_once(self.app, self.settings, queued_grace_seconds=self.queued_grace_seconds)
-            except Exception as err:  # a database or broker hiccup: try again next round
-                if is_transient(err):
-                    log.warning("sweep skipped: the database is unavailable (%s)", type(err).__name__)
-                else:
-                    log.warning("sweep failed", exc_info=True)
+            for sweep in (sweep_once, sweep_evals_once):  # one failing does not hold the other back
+                try:
+                    sweep(self.app, self.settings, queued_grace_seconds=self.queued_grace_seconds)
+                except Exception as err:  # a database or broker hiccup: try again next round
+                    if is_transient(err):
+                        log.warning("sweep skipped: the database is unavailable (%s)", type(err).__name__)
+                    else:
+                        log.warning("sweep failed", exc_info=True)
             if time.monotonic() >= next_cleanup:
                 next_cleanup = time.monotonic() + self.cleanup_every
                 self.clean_store()

@@ -26,17 +26,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import httpx
 
-from api import webhook_events
 from api.db import session_scope
 from api.repositories import webhooks as webhooks_repo
-from api.services.webhooks import url_policy
+from api.services.webhooks import post, url_policy
 from api.settings import Settings
-from trainer.grading.url_policy import CLIENT_OPTIONS, UrlPolicy
-from trainer.spec.urls import UrlRefused
+from trainer.grading.url_policy import CLIENT_OPTIONS
 from worker.outbox import is_transient
 
 log = logging.getLogger("proxima.webhooks")
@@ -44,49 +41,11 @@ log = logging.getLogger("proxima.webhooks")
 BATCH = 10
 """Deliveries one round claims at once (and POSTs one after the other)."""
 CLAIM_MARGIN_S = 30.0
-USER_AGENT = "Proxima-Webhooks/1"
-MAX_ERROR_CHARS = 500
-
-
-@dataclass(frozen=True)
-class Outcome:
-    status_code: int | None
-    error: str | None  # None: delivered
-
-    @property
-    def delivered(self) -> bool:
-        return self.error is None
 
 
 def retry_delay(settings: Settings, attempt: int) -> float:
     """The wait after failed attempt number ``attempt`` (1, 2, ...): base, 2 x base, 4 x base, ..., at most the cap."""
     return float(min(settings.webhook_retry_base_s * 2.0 ** min(attempt - 1, 62), settings.webhook_retry_max_delay_s))
-
-
-def post(client: httpx.Client, policy: UrlPolicy, due: webhooks_repo.DueDelivery, *, timeout: float) -> Outcome:
-    """One signed POST of the event to the endpoint, connected to the address its host resolves to now if the policy
-    allows it. The answer's body is not read."""
-    body = webhook_events.payload(
-        event_id=due.event_id, event_type=due.event_type, created_at=due.event_created_at, job_id=due.job_id
-    )
-    try:
-        pinned = policy.resolve_sync(due.url)
-    except UrlRefused as err:
-        return Outcome(None, f"the URL is refused: {err}"[:MAX_ERROR_CHARS])
-    signed = webhook_events.headers(secrets=due.secrets, msg_id=due.event_id, timestamp=int(time.time()), body=body)
-    headers = {**signed, **pinned.headers, "user-agent": USER_AGENT}
-    try:
-        with client.stream(
-            "POST", pinned.request_url, content=body, headers=headers, extensions=pinned.extensions, timeout=timeout
-        ) as response:
-            status = response.status_code
-    except httpx.TimeoutException:
-        return Outcome(None, f"no answer within {timeout:g}s")
-    except httpx.HTTPError as err:
-        return Outcome(None, f"{type(err).__name__}: {err}"[:MAX_ERROR_CHARS])
-    if 200 <= status < 300:
-        return Outcome(status, None)
-    return Outcome(status, f"HTTP {status}")
 
 
 def deliver_due(settings: Settings, client: httpx.Client, *, limit: int = BATCH) -> int:

@@ -1,9 +1,11 @@
 """SQL for webhooks: a tenant's endpoints, the outbox of events, the deliveries a worker claims and their attempts.
 
 ``job_status_changed`` is called by the repositories that change a job's status (``api.repositories.runs`` and
-``api.repositories.jobs``), in the same transaction, right after the conditional UPDATE that won: the event and its
-deliveries commit with the change or not at all, so a crash between the change and the POST loses nothing, and a
-change written twice (a unit of work retried) is an UPDATE that does not win the second time, hence one event.
+``api.repositories.jobs``), ``eval_run_finished`` by the one that ends an eval run (``api.repositories.evals``), in the
+same transaction, right after the conditional UPDATE that won: the event and its deliveries commit with the change or
+not at all, so a crash between the change and the POST loses nothing, and a change written twice (a unit of work
+retried) is an UPDATE that does not win the second time, hence one event. Each event names its subject (type and id:
+the payload's ``data.id``).
 
 Deliveries are claimed like jobs: a claim is a conditional UPDATE that moves ``next_attempt_at`` past the time the
 POST may take (a claim's expiry); on PostgreSQL the candidates are read ``FOR UPDATE SKIP LOCKED`` so that workers
@@ -20,8 +22,8 @@ from sqlalchemy import delete, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from api import ids, webhook_events
-from api.orm import Job, WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent, now
-from api.status import JobStatus
+from api.orm import EvalRun, Job, WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent, now
+from api.status import EvalRunStatus, JobStatus
 
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
 RETRYING = "retrying"  # an attempt's outcome: failed, another one is scheduled
@@ -66,14 +68,54 @@ def delete_endpoint(session: Session, *, endpoint: WebhookEndpoint) -> None:
 
 
 def job_status_changed(session: Session, *, job_id: str, status: JobStatus, at: float | None = None) -> str | None:
-    """Record the event a job's arrival in ``status`` sends (none for most statuses), with one delivery, due now, for
-    each of the tenant's endpoints subscribed to it at this moment; its id, or None when no endpoint wants it."""
+    """Record the event a job's arrival in ``status`` sends (none for most statuses); its id, or None when no
+    endpoint wants it."""
     event_type = webhook_events.event_type_for(status)
     if event_type is None:
         return None
     tenant_id = session.scalar(select(Job.tenant_id).where(Job.id == job_id))
     if tenant_id is None:
         return None
+    return record_event(
+        session,
+        tenant_id=tenant_id,
+        event_type=event_type,
+        subject_type=webhook_events.JOB_SUBJECT,
+        subject_id=job_id,
+        at=at,
+    )
+
+
+def eval_run_finished(session: Session, *, run_id: str, status: EvalRunStatus, at: float | None = None) -> str | None:
+    """Record the event an eval run's end in ``status`` (completed, failed, canceled) sends; its id, or None when no
+    endpoint wants it."""
+    event_type = webhook_events.EVAL_RUN_EVENTS.get(status)
+    if event_type is None:
+        return None
+    tenant_id = session.scalar(select(EvalRun.tenant_id).where(EvalRun.id == run_id))
+    if tenant_id is None:
+        return None
+    return record_event(
+        session,
+        tenant_id=tenant_id,
+        event_type=event_type,
+        subject_type=webhook_events.EVAL_RUN_SUBJECT,
+        subject_id=run_id,
+        at=at,
+    )
+
+
+def record_event(
+    session: Session,
+    *,
+    tenant_id: str,
+    event_type: str,
+    subject_type: str,
+    subject_id: str,
+    at: float | None = None,
+) -> str | None:
+    """Record an event with one delivery, due now, for each of the tenant's endpoints subscribed to its type at this
+    moment; its id, or None (nothing written) when no endpoint wants it."""
     endpoints = [
         endpoint_id
         for endpoint_id, types in session.execute(
@@ -85,7 +127,12 @@ def job_status_changed(session: Session, *, job_id: str, status: JobStatus, at: 
         return None
     at = now() if at is None else at
     event = WebhookEvent(
-        id=ids.webhook_event_id(), tenant_id=tenant_id, type=event_type, job_id=job_id, created_at=int(at)
+        id=ids.webhook_event_id(),
+        tenant_id=tenant_id,
+        type=event_type,
+        subject_type=subject_type,
+        subject_id=subject_id,
+        created_at=int(at),
     )
     session.add(event)
     session.flush()  # the event's row before its deliveries' (their foreign key)
@@ -104,6 +151,49 @@ def job_status_changed(session: Session, *, job_id: str, status: JobStatus, at: 
     return event.id
 
 
+def add_sent_event(
+    session: Session,
+    *,
+    event: WebhookEvent,
+    endpoint_id: str,
+    started_at: float,
+    duration_ms: int,
+    status_code: int | None,
+    error: str | None,
+) -> WebhookAttempt:
+    """An event POSTed once to one endpoint already (a test event): its row, its delivery, finished (delivered, or
+    failed: a test is not retried), and the attempt's line in the endpoint's log."""
+    outcome = DELIVERED if error is None else FAILED
+    session.add(event)
+    session.flush()
+    delivery = WebhookDelivery(
+        event_id=event.id,
+        endpoint_id=endpoint_id,
+        status=outcome,
+        attempts=1,
+        next_attempt_at=None,
+        created_at=event.created_at,
+        finished_at=now(),
+    )
+    session.add(delivery)
+    session.flush()
+    attempt = WebhookAttempt(
+        id=ids.webhook_delivery_id(),
+        delivery_id=delivery.id,
+        endpoint_id=endpoint_id,
+        attempt=1,
+        created_at=int(started_at),
+        duration_ms=duration_ms,
+        status_code=status_code,
+        error=error,
+        outcome=outcome,
+        next_retry_at=None,
+    )
+    session.add(attempt)
+    session.flush()
+    return attempt
+
+
 # -- delivering -----------------------------------------------------------------------------------------------
 
 
@@ -116,7 +206,7 @@ class DueDelivery:
     event_id: str
     event_type: str
     event_created_at: int
-    job_id: str
+    subject_id: str  # the payload's data.id
     endpoint_id: str
     url: str
     secrets: tuple[str, ...]  # the current secret, then a rotated-out one still valid
@@ -168,7 +258,7 @@ def claim_due(session: Session, *, at: float, claim_seconds: float, limit: int) 
                 event_id=event.id,
                 event_type=event.type,
                 event_created_at=event.created_at,
-                job_id=event.job_id,
+                subject_id=event.subject_id,
                 endpoint_id=endpoint.id,
                 url=endpoint.url,
                 secrets=tuple(keys),

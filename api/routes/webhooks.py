@@ -1,13 +1,17 @@
 """``/v1/webhook_endpoints``: OpenAI's webhook endpoints (``client.webhooks.create/list/retrieve/update/delete/
-rotate_secret``), ``/v1/webhook_event_types``, and our extension, an endpoint's delivery log."""
+rotate_secret``), ``/v1/webhook_event_types``, and our extensions: an endpoint's delivery log and its test."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query
+from starlette.concurrency import run_in_threadpool
 
-from api.deps import SessionDep, SettingsDep, TenantDep
+from api.db import session_scope
+from api.deps import SessionDep, SettingsDep, TenantDep, session_slot
+from api.errors import InvalidRequest, responses
 from api.routes.files import AfterCursor
 from api.schemas import CursorListObject, cursor_list
 from api.schemas_webhooks import (
@@ -15,10 +19,12 @@ from api.schemas_webhooks import (
     WebhookEndpointCreate,
     WebhookEndpointDeleted,
     WebhookEndpointObject,
+    WebhookEndpointTestResult,
     WebhookEndpointUpdate,
     WebhookEndpointWithSecret,
     WebhookEventTypeList,
     WebhookRotateSecret,
+    WebhookTest,
 )
 from api.services import webhooks as webhooks_service
 from api.webhook_events import EVENT_TYPES
@@ -27,6 +33,7 @@ router = APIRouter(tags=["webhooks"])
 PREFIX = "/v1/webhook_endpoints"
 
 Limit = Annotated[int, Query(ge=1, le=webhooks_service.MAX_LIST_LIMIT)]
+T = TypeVar("T")
 
 
 @router.post(PREFIX, response_model=WebhookEndpointWithSecret, summary="Create a webhook endpoint (shows its secret)")
@@ -89,6 +96,47 @@ def rotate_secret(
         session=session, tenant=tenant, endpoint_id=webhook_endpoint_id, keep_old_for_24_hours=keep
     )
     return WebhookEndpointWithSecret.with_secret(row)
+
+
+@router.post(
+    PREFIX + "/{webhook_endpoint_id}/test",
+    response_model=WebhookEndpointTestResult,
+    responses=responses(400, 404),
+    summary="Send a signed sample event to an endpoint now (recorded in its delivery log, not retried)",
+)
+async def test_endpoint(
+    webhook_endpoint_id: str, body: WebhookTest, settings: SettingsDep, tenant: TenantDep
+) -> WebhookEndpointTestResult:
+    # No request session: the POST may take webhook_timeout_s, and holds no connection, transaction or session slot;
+    # the endpoint is read in one short session and the attempt written in another.
+    test = await _in_session(
+        settings.db_url,
+        webhooks_service.prepare_test,
+        tenant=tenant,
+        endpoint_id=webhook_endpoint_id,
+        event_type=body.event_type,
+    )
+    sent = await run_in_threadpool(webhooks_service.post_test, settings=settings, test=test)
+    await _in_session(settings.db_url, webhooks_service.record_test, sent=sent)
+    status = sent.outcome.status_code
+    if status is None:  # not reached: refused by the URL policy, no connection, no answer in time
+        raise InvalidRequest(
+            f"the endpoint could not be reached: {sent.outcome.error}", param="url", code="endpoint_unreachable"
+        )
+    return WebhookEndpointTestResult(
+        webhook_endpoint_id=webhook_endpoint_id, event_type=body.event_type, status_code=status
+    )
+
+
+async def _in_session(url: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
+    """``fn(session=..., **kwargs)`` in a unit of work of its own (committed), within a session slot."""
+    async with session_slot(url):
+        return await run_in_threadpool(_scoped, url, fn, kwargs)
+
+
+def _scoped(url: str, fn: Callable[..., T], kwargs: dict[str, Any]) -> T:
+    with session_scope(url) as session:
+        return fn(session=session, **kwargs)
 
 
 @router.get(

@@ -122,6 +122,16 @@ def _ready(base: str) -> bool:
         return False
 
 
+EVAL = {
+    "name": "e",
+    "data_source_config": {"type": "custom", "item_schema": {"type": "object"}},
+    "testing_criteria": [
+        {"type": "string_check", "name": "g", "input": "{{item.a}}", "reference": "a", "operation": "eq"}
+    ],
+}
+EVAL_ROWS = {"type": "jsonl", "source": {"type": "file_content", "content": [{"item": {"a": "a"}}]}}
+
+
 def requests_for_every_route(api: Api) -> list[tuple[str, str, dict[str, Any]]]:
     """One request per ``/v1`` operation of the document, on the real objects, with a body where one is taken."""
     document = httpx.get(f"{api.base}/openapi.json").json()
@@ -132,6 +142,9 @@ def requests_for_every_route(api: Api) -> list[tuple[str, str, dict[str, Any]]]:
         "model_id": "tiny-arith",
         "webhook_endpoint_id": "whep_none",
         "session_id": "sess-none:train:0",
+        "eval_id": "eval_none",
+        "run_id": "evalrun_none",
+        "output_item_id": "outputitem_none",
     }
     chat = {"model": "tiny-arith", "messages": [{"role": "user", "content": "What is 1 + 1?"}], "max_tokens": 2}
     endpoint = {"name": "e", "url": "https://example.com/hook", "event_types": ["fine_tuning.job.succeeded"]}
@@ -152,6 +165,11 @@ def requests_for_every_route(api: Api) -> list[tuple[str, str, dict[str, Any]]]:
         ("POST", "/v1/webhook_endpoints"): {"json": endpoint},
         ("POST", "/v1/webhook_endpoints/{webhook_endpoint_id}"): {"json": {"name": "f"}},
         ("POST", "/v1/webhook_endpoints/{webhook_endpoint_id}/rotate_secret"): {"json": {}},
+        ("POST", "/v1/webhook_endpoints/{webhook_endpoint_id}/test"): {"json": {"event_type": "eval.run.failed"}},
+        ("POST", "/v1/evals"): {"json": EVAL},
+        ("POST", "/v1/evals/{eval_id}"): {"json": {"name": "f"}},
+        ("POST", "/v1/evals/{eval_id}/runs"): {"json": {"data_source": EVAL_ROWS}},
+        ("POST", "/v1/evals/{eval_id}/runs/{run_id}/cancel"): {"json": {}},
     }
     out = []
     for template, item in document["paths"].items():

@@ -120,7 +120,7 @@ def test_create_see_the_secret_once_get_a_delivery_rotate_and_delete(
     delivered = page.locator("tr[data-delivery]")
     expect(delivered.first).to_contain_text("delivered", timeout=30_000)
     expect(delivered.first).to_contain_text("fine_tuning.job.cancelled")
-    expect(delivered.first).to_contain_text(job_id)
+    expect(delivered.first.get_by_role("link", name=job_id)).to_have_attribute("href", f"#/jobs/{job_id}")
     expect(delivered.first).to_contain_text("HTTP 200")
     [(body, headers)] = receiver.received
     event = VERIFIER.webhooks.unwrap(body, headers, secret=secret)

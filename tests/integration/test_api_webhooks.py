@@ -11,6 +11,7 @@ jobs make deliveries, and deletes what it made."""
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import OpenAI
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from api.orm import WebhookDelivery, WebhookEvent
 from api.repositories import runs
@@ -38,7 +39,15 @@ from tests.integration.conftest import (
 
 ENDPOINTS = "/v1/webhook_endpoints"
 PUBLIC_URL = "https://93.184.216.34/hooks"  # a global address as a literal: allowed without any DNS lookup
-ALL = ["fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled", "fine_tuning.job.paused"]
+ALL = [
+    "fine_tuning.job.succeeded",
+    "fine_tuning.job.failed",
+    "fine_tuning.job.cancelled",
+    "fine_tuning.job.paused",
+    "eval.run.succeeded",
+    "eval.run.failed",
+    "eval.run.canceled",
+]
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +168,10 @@ class TestCreate:
     def test_an_unknown_event_type_is_named_with_the_valid_ones(self, client: httpx.Client) -> None:
         r = client.post(
             ENDPOINTS,
-            json={"name": "x", "url": PUBLIC_URL, "event_types": ["fine_tuning.job.failed", "eval.run.failed"]},
+            json={"name": "x", "url": PUBLIC_URL, "event_types": ["fine_tuning.job.failed", "batch.completed"]},
         )
         error = assert_error(r, 400, param="event_types", code="invalid_event_type")
-        assert "event_types[1]: 'eval.run.failed'" in error["message"]
+        assert "event_types[1]: 'batch.completed'" in error["message"]
         assert all(t in error["message"] for t in ALL)
 
     def test_repeated_event_types_are_kept_once(self, client: httpx.Client) -> None:
@@ -269,7 +278,9 @@ def new_job(c: httpx.Client) -> str:
 def events_of(db: Callable[[], Any], job_id: str) -> list[tuple[str, list[str]]]:
     """(type, [endpoint ids]) of each event recorded for the job, oldest first."""
     with db() as s:
-        events = s.scalars(select(WebhookEvent).where(WebhookEvent.job_id == job_id).order_by(WebhookEvent.created_at))
+        events = s.scalars(
+            select(WebhookEvent).where(WebhookEvent.subject_id == job_id).order_by(WebhookEvent.created_at)
+        )
         return [
             (
                 e.type,
@@ -344,6 +355,7 @@ class TestOutbox:
 class Receiver(http.server.ThreadingHTTPServer):
     statuses: list[int]  # answered in turn; the last one from then on
     received: list[tuple[bytes, dict[str, str]]]
+    on_post: Callable[[], None] | None = None  # called while the POST waits for its answer
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -352,6 +364,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["content-length"]))
         self.server.received.append((body, {k.lower(): v for k, v in self.headers.items()}))
+        if self.server.on_post is not None:
+            self.server.on_post()
         status = self.server.statuses.pop(0) if len(self.server.statuses) > 1 else self.server.statuses[0]
         self.send_response(status)
         self.send_header("content-length", "0")
@@ -511,3 +525,96 @@ class TestDelivery:
         [line] = loopback_client.get(f"{ENDPOINTS}/{made['id']}/deliveries").json()["data"]
         assert line["status"] == "retrying" and line["status_code"] is None
         assert line["error"].startswith("the URL is refused")
+
+
+class TestTestEvent:
+    """``client.webhooks.test``: a signed sample event of the type asked, now, once; OpenAI's answer."""
+
+    def test_a_sample_event_is_sent_now_verified_and_answered_as_openai_does(
+        self, loopback_client: httpx.Client, loopback: Any, receiver: Receiver, owner: Tenant
+    ) -> None:
+        made = create(loopback_client, url=f"http://127.0.0.1:{receiver.server_address[1]}/t", event_types=ALL)
+        sdk = OpenAI(base_url=str(loopback_client.base_url).rstrip("/") + "/v1", api_key=owner.key, max_retries=0)
+        result = sdk.webhooks.test(made["id"], event_type="eval.run.succeeded")
+        assert result.to_dict() == {
+            "object": "webhook_endpoint.test",
+            "webhook_endpoint_id": made["id"],
+            "event_type": "eval.run.succeeded",
+            "status_code": 200,
+            "success": True,
+        }
+        [(body, headers)] = receiver.received
+        event = OpenAI(api_key="x").webhooks.unwrap(body, headers, secret=made["signing_secret"])
+        assert (event.type, event.data.id) == ("eval.run.succeeded", made["id"])  # type: ignore[union-attr]
+        [line] = loopback_client.get(f"{ENDPOINTS}/{made['id']}/deliveries").json()["data"]
+        assert {k: line[k] for k in ("event_id", "event_type", "subject_type", "subject_id", "job_id")} == {
+            "event_id": event.id,
+            "event_type": "eval.run.succeeded",
+            "subject_type": "webhook_endpoint",
+            "subject_id": made["id"],
+            "job_id": None,
+        }
+        assert (line["status"], line["status_code"], line["attempt"], line["next_retry_at"]) == (
+            "delivered",
+            200,
+            1,
+            None,
+        )
+        assert deliver(loopback) == 0  # sent already: nothing is owed
+
+    def test_a_failing_receiver_is_its_status_and_a_failed_attempt_not_retried(
+        self, loopback_client: httpx.Client, loopback: Any, receiver: Receiver
+    ) -> None:
+        receiver.statuses = [500]
+        made = create(loopback_client, url=f"http://127.0.0.1:{receiver.server_address[1]}/t", event_types=ALL)
+        r = loopback_client.post(f"{ENDPOINTS}/{made['id']}/test", json={"event_type": "fine_tuning.job.failed"})
+        assert (r.status_code, r.json()["status_code"]) == (200, 500)
+        [line] = loopback_client.get(f"{ENDPOINTS}/{made['id']}/deliveries").json()["data"]
+        assert (line["status"], line["status_code"], line["error"]) == ("failed", 500, "HTTP 500")
+        assert deliver(loopback) == 0 and len(receiver.received) == 1
+
+    def test_an_unreachable_endpoint_is_a_400_and_an_unknown_event_type_a_400_naming_it(
+        self, loopback_client: httpx.Client
+    ) -> None:
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        made = create(loopback_client, url=f"http://127.0.0.1:{port}/t", event_types=ALL)
+        r = loopback_client.post(f"{ENDPOINTS}/{made['id']}/test", json={"event_type": "fine_tuning.job.failed"})
+        assert_error(r, 400, param="url", code="endpoint_unreachable")
+        [line] = loopback_client.get(f"{ENDPOINTS}/{made['id']}/deliveries").json()["data"]
+        assert line["status"] == "failed"  # in the log all the same
+        r = loopback_client.post(f"{ENDPOINTS}/{made['id']}/test", json={"event_type": "batch.completed"})
+        assert_error(r, 400, param="event_type", code="invalid_event_type")
+        assert_error(loopback_client.post(f"{ENDPOINTS}/{made['id']}/test", json={}), 400, param="event_type")
+
+    def test_the_post_is_made_with_no_database_transaction_open(
+        self, loopback_client: httpx.Client, receiver: Receiver, db: Callable[[], Any]
+    ) -> None:
+        open_transactions: list[int] = []
+
+        def count_open() -> None:  # this test database's other connections inside a transaction, as the POST waits
+            with db() as s:
+                open_transactions.append(
+                    s.execute(
+                        text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                            " AND state LIKE 'idle in transaction%' AND pid != pg_backend_pid()"
+                        )
+                    ).scalar_one()
+                )
+
+        receiver.on_post = count_open
+        made = create(loopback_client, url=f"http://127.0.0.1:{receiver.server_address[1]}/t", event_types=ALL)
+        r = loopback_client.post(f"{ENDPOINTS}/{made['id']}/test", json={"event_type": "fine_tuning.job.succeeded"})
+        assert (r.json()["status_code"], open_transactions) == (200, [0])
+        [line] = loopback_client.get(f"{ENDPOINTS}/{made['id']}/deliveries").json()["data"]
+        assert line["status"] == "delivered"
+
+    def test_another_tenants_endpoint_is_a_404_and_no_key_a_401(
+        self, client: httpx.Client, client_b: httpx.Client, anon: httpx.Client
+    ) -> None:
+        made = create(client)
+        body = {"event_type": "fine_tuning.job.succeeded"}
+        assert_error(client_b.post(f"{ENDPOINTS}/{made['id']}/test", json=body), 404)
+        assert_error(anon.post(f"{ENDPOINTS}/{made['id']}/test", json=body), 401)

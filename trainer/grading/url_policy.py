@@ -32,6 +32,7 @@ import asyncio
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,13 @@ Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 
 CLIENT_OPTIONS: dict[str, Any] = {"follow_redirects": False, "trust_env": False}
 """The options of an httpx client that calls pinned URLs: no redirects, no proxies from the environment."""
+
+DNS_TIMEOUT_S = 5.0
+"""How long `resolve_sync` waits for a host's addresses by default: a slow DNS server must not hold the caller."""
+
+# `resolve_sync`'s lookups: not on its event loop's default executor, which `asyncio.run` waits for before it
+# returns, so a getaddrinfo stuck past the deadline (it cannot be interrupted) would hold the caller regardless.
+_DNS_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="url-policy-dns")
 
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 
@@ -120,19 +128,23 @@ class UrlPolicy:
             raise UrlRefused(problem)
         return parsed
 
-    async def resolve(self, url: str | httpx.URL, resolver: Resolver | None = None) -> Pinned:
+    async def resolve(
+        self, url: str | httpx.URL, resolver: Resolver | None = None, *, timeout: float | None = None
+    ) -> Pinned:
         """Check the URL's form, resolve its host and check every address; the request to make, pinned to the first
-        address. A host that does not resolve, or resolves to any address the policy does not allow, is UrlRefused
-        (all of them are checked: a name with one public and one private address could be connected either way)."""
+        address. A host that does not resolve (within ``timeout`` seconds, when given), or resolves to any address
+        the policy does not allow, is UrlRefused (all of them are checked: a name with one public and one private
+        address could be connected either way)."""
         parsed = self.check_url(str(url))
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
         literal = _ip_literal(parsed.host)
         if literal is not None:
             return Pinned(parsed, str(literal))
         try:
-            addresses = list(await (resolver or system_resolver)(parsed.host, port))
-        except (OSError, UnicodeError) as err:
-            raise UrlRefused(f"the host {parsed.host!r} does not resolve ({err})") from None
+            addresses = list(await asyncio.wait_for((resolver or system_resolver)(parsed.host, port), timeout))
+        except (OSError, UnicodeError) as err:  # TimeoutError (wait_for's) is an OSError
+            why = f"no answer within {timeout:g}s" if isinstance(err, TimeoutError) and timeout is not None else err
+            raise UrlRefused(f"the host {parsed.host!r} does not resolve ({why})") from None
         if not addresses:
             raise UrlRefused(f"the host {parsed.host!r} does not resolve")
         for address in addresses:
@@ -140,9 +152,10 @@ class UrlPolicy:
                 raise UrlRefused(f"the host {parsed.host!r} resolves to {problem}")
         return Pinned(parsed, addresses[0])
 
-    def resolve_sync(self, url: str, resolver: Resolver | None = None) -> Pinned:
-        """`resolve` for a thread with no event loop running (the API's waiting threads, a sync route)."""
-        return asyncio.run(self.resolve(url, resolver))
+    def resolve_sync(self, url: str, resolver: Resolver | None = None, *, timeout: float = DNS_TIMEOUT_S) -> Pinned:
+        """`resolve` for a thread with no event loop running (the API's waiting threads, a sync route), within
+        ``timeout`` seconds; a lookup still running then is left to finish in its own thread."""
+        return asyncio.run(self.resolve(url, resolver or _threaded_system_resolver, timeout=timeout))
 
 
 @dataclass(frozen=True)
@@ -171,6 +184,18 @@ class Pinned:
 async def system_resolver(host: str, port: int) -> list[str]:
     """The addresses `getaddrinfo` gives for a TCP connection to host:port, in its order, without repeats."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return _addresses(infos)
+
+
+async def _threaded_system_resolver(host: str, port: int) -> list[str]:
+    """`system_resolver` on `_DNS_THREADS`."""
+    lookup = _DNS_THREADS.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    infos = await asyncio.wrap_future(lookup)
+    return _addresses(infos)
+
+
+def _addresses(infos: Sequence[tuple[Any, ...]]) -> list[str]:
+    """getaddrinfo's addresses in its order, without repeats or an IPv6 scope."""
     return list(dict.fromkeys(str(info[4][0]).split("%", 1)[0] for info in infos))
 
 

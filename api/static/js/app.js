@@ -1,11 +1,13 @@
 // The dashboard's shell: sign-in state, the hash router (#/jobs, #/jobs/<id>, #/jobs/<id>/rollouts, #/compare,
-// #/new, #/sessions, #/sessions/<id>) and the views' lifecycle. A view is `mount(main, params) → cleanup`; its
-// cleanup stops its polling.
+// #/new, #/sessions, #/sessions/<id>, #/evals, #/evals/<id>, #/evals/<id>/runs/<run id>) and the views' lifecycle.
+// A view is `mount(main, params) → cleanup`; its cleanup stops its polling.
 
 import { clearKey, getKey } from "./api.js";
 import { clear } from "./dom.js";
 import { mountCompare } from "./views/compare.js";
 import { mountCreate } from "./views/create.js";
+import { mountEvalRun } from "./views/eval_run.js";
+import { mountEval, mountEvals } from "./views/evals.js";
 import { mountJob } from "./views/job.js";
 import { mountJobs } from "./views/jobs.js";
 import { mountPlayground } from "./views/playground.js";
@@ -29,6 +31,13 @@ const ROUTES = [
   // A training session's id is the SDK's model id: `<client session>:train:<n>`.
   [/^#\/sessions\/([\w:-]+)$/, (m) => mountSession(main, { sessionId: m[1] }), "sessions"],
   [/^#\/sessions$/, () => mountSessions(main), "sessions"],
+  [
+    /^#\/evals\/([\w-]+)\/runs\/([\w-]+)$/,
+    (m, q) => mountEvalRun(main, { evalId: m[1], runId: m[2], status: q.get("status"), itemId: q.get("item") }),
+    "evals",
+  ],
+  [/^#\/evals\/([\w-]+)$/, (m) => mountEval(main, { evalId: m[1] }), "evals"],
+  [/^#\/evals$/, () => mountEvals(main), "evals"],
 ];
 
 function parseHash() {

@@ -30,7 +30,7 @@ JOB = "ftjob-abc123"
 def signed(
     *, secret: str, event_type: str = "fine_tuning.job.succeeded", timestamp: int | None = None, secrets: Any = None
 ) -> tuple[bytes, dict[str, str]]:
-    body = webhook_events.payload(event_id="evt_1", event_type=event_type, created_at=1_700_000_000, job_id=JOB)
+    body = webhook_events.payload(event_id="evt_1", event_type=event_type, created_at=1_700_000_000, subject_id=JOB)
     ts = int(time.time()) if timestamp is None else timestamp
     return body, webhook_events.headers(secrets=secrets or [secret], msg_id="evt_1", timestamp=ts, body=body)
 
@@ -159,7 +159,7 @@ def due(url: str, secret: str) -> DueDelivery:
         event_id="evt_9",
         event_type="fine_tuning.job.failed",
         event_created_at=1_700_000_000,
-        job_id=JOB,
+        subject_id=JOB,
         endpoint_id="whep_1",
         url=url,
         secrets=(secret,),

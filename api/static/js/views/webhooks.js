@@ -126,6 +126,13 @@ export function mountWebhooks(main) {
     if (state.open) await loadLog();
   }
 
+  // A job's event links to its page; an eval run's id and an endpoint's test event are shown as they are (a
+  // delivery does not carry the run's eval, which its page's address needs).
+  function subjectCell(d) {
+    if (d.subject_type === "fine_tuning.job") return h("a", { href: `#/jobs/${encodeURIComponent(d.subject_id)}`, text: d.subject_id });
+    return h("span", { class: "mono", text: d.subject_type === "webhook_endpoint" ? "test event" : d.subject_id });
+  }
+
   async function loadLog() {
     const endpoint = state.open;
     const page = await api(`/webhook_endpoints/${encodeURIComponent(endpoint.id)}/deliveries?limit=100`);
@@ -136,7 +143,7 @@ export function mountWebhooks(main) {
         { dataset: { delivery: d.id } },
         h("td", { "data-label": "Time", class: "nowrap", text: fmtTime(d.created_at) }),
         h("td", { "data-label": "Event", text: d.event_type }),
-        h("td", { "data-label": "Job" }, h("a", { href: `#/jobs/${d.job_id}`, text: d.job_id })),
+        h("td", { "data-label": "Subject" }, subjectCell(d)),
         h("td", { "data-label": "Attempt", class: "num", text: String(d.attempt) }),
         h("td", { "data-label": "Result" }, h("span", { class: `badge badge-${d.status === "delivered" ? "succeeded" : d.status === "failed" ? "failed" : "paused"}`, text: d.status })),
         h("td", { "data-label": "Answer", text: d.status_code !== null ? `HTTP ${d.status_code}` : d.error ?? "–" }),
@@ -152,7 +159,7 @@ export function mountWebhooks(main) {
             h(
               "table",
               { class: "table deliveries-table" },
-              h("thead", {}, h("tr", {}, ["Time", "Event", "Job", "Attempt", "Result", "Answer", "Next retry"].map((t) => h("th", { scope: "col", text: t })))),
+              h("thead", {}, h("tr", {}, ["Time", "Event", "Subject", "Attempt", "Result", "Answer", "Next retry"].map((t) => h("th", { scope: "col", text: t })))),
               h("tbody", {}, rows),
             ),
           )
