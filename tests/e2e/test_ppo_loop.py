@@ -220,7 +220,9 @@ def test_the_adapter_critic_shares_the_policys_passes_with_the_same_results(
     fused = grads()
     assert sum(int(g.abs().sum() > 0) for g in separate) == len(params)  # every LoRA matrix and the head
     for a, b in zip(separate, fused, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+        # Float32 rounding of the two orders of summation, relative to each gradient's own scale (up to 7e-7 of its
+        # largest entry on a Xeon with AMX, where an absolute 1e-6 failed an entry of a gradient whose largest is 4).
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=2e-6 * float(a.abs().max()))
     assert t.models.model.active_adapter == "default"
     assert not any(mod._forward_pre_hooks for mod in t.models.model.modules())  # the routing is gone after the pass
     again, _, _ = t.engine.forward(ro, temperature=1.0)
