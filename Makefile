@@ -35,18 +35,25 @@ demo: $(TRAIN_STAMP)
 	$(VENV)/bin/proxima demo
 
 # The packages python graders import in their sandbox (trainer/grading/sandbox_packages/requirements.txt: OpenAI's
-# grader image's), built for the sandbox's interpreter into the folder PROXIMA_SANDBOX_PACKAGES defaults to
-# (api/settings.py); rebuilt when the requirements change. About 10 s from nothing on a 2-core machine (its build
-# script says why so fast).
+# grader image's), built for the sandbox's interpreter; rebuilt when the requirements change. About 10 s from nothing
+# on a 2-core machine (its build script says why so fast). The sandboxes' unprivileged uids must be able to reach the
+# folder, which a checkout under a folder only its owner can search (/root, a mktemp folder) is not: so it is built
+# in SANDBOX_STORE, one folder per requirements' digest, and build/sandbox-packages, what PROXIMA_SANDBOX_PACKAGES
+# defaults to (api/settings.py), links to it.
 SANDBOX_PYTHON := /usr/bin/python3
 SANDBOX_PACKAGES := build/sandbox-packages
 SANDBOX_STAMP := $(SANDBOX_PACKAGES)/.built-from
 SANDBOX_SOURCE := trainer/grading/sandbox_packages
+SANDBOX_STORE ?= /var/tmp/proxima-sandbox-packages-$(shell id -u)
+SANDBOX_DIGEST = $(shell cat $(SANDBOX_SOURCE)/requirements.txt $(SANDBOX_SOURCE)/build | sha256sum | cut -c1-16)
 
 sandbox-packages: $(SANDBOX_STAMP)
 
 $(SANDBOX_STAMP): $(SANDBOX_SOURCE)/requirements.txt $(SANDBOX_SOURCE)/build $(TRAIN_STAMP)
-	PIP_PYTHON=$(PY) $(SANDBOX_SOURCE)/build $(SANDBOX_SOURCE)/requirements.txt $(SANDBOX_PACKAGES) $(SANDBOX_PYTHON)
+	PIP_PYTHON=$(PY) $(SANDBOX_SOURCE)/build $(SANDBOX_SOURCE)/requirements.txt $(SANDBOX_STORE)/$(SANDBOX_DIGEST) \
+		$(SANDBOX_PYTHON)
+	mkdir -p $(dir $(SANDBOX_PACKAGES)) && rm -rf $(SANDBOX_PACKAGES)
+	ln -s $(SANDBOX_STORE)/$(SANDBOX_DIGEST) $(SANDBOX_PACKAGES)
 	cp $(SANDBOX_SOURCE)/requirements.txt $@
 
 # The suite in two pytest-xdist workers, whole test files each (module fixtures stay in one process), one torch

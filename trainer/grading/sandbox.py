@@ -865,8 +865,9 @@ class SandboxSession:
 # ----------------------------------------------------------------------------------------------------
 # This process's sandbox, and its packages
 
-BUILT_PACKAGES = Path(__file__).resolve().parents[2] / "build" / "sandbox-packages"
-"""Where `make sandbox-packages` builds the packages folder in a checkout (`trainer/grading/sandbox_packages/`)."""
+BUILT_PACKAGES = (Path(__file__).resolve().parents[2] / "build" / "sandbox-packages").resolve()
+"""The packages folder `make sandbox-packages` built for a checkout (`trainer/grading/sandbox_packages/`): what the
+checkout's `build/sandbox-packages` links to (a folder the sandboxes' uids can reach wherever the checkout is)."""
 
 
 def default_packages_dir() -> Path | None:
