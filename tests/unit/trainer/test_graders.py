@@ -216,10 +216,28 @@ class TestTemplates:
         )
 
     def test_other_sample_fields_are_rejected(self) -> None:
-        assert parse_error(string_check(reference="{{sample.output_json}}")) == (
-            "grader.reference: unsupported sample field in {{sample.output_json}}; supported: {{sample.output_text}}, "
-            "{{sample.output_tools}}"
+        assert parse_error(string_check(reference="{{sample.choices}}")) == (
+            "grader.reference: unsupported sample field in {{sample.choices}}; supported: {{sample.output_text}}, "
+            "{{sample.output_json}}, {{sample.output_tools}}"
         )
+        assert parse_error(string_check(reference="{{sample.output_text.x}}")).startswith(
+            "grader.reference: unsupported sample field in {{sample.output_text.x}}"
+        )
+
+    def test_output_json_renders_the_parsed_output_or_a_path_into_it(self) -> None:
+        answer = parse_grader({**string_check(reference="{{item.answer}}"), "input": "{{sample.output_json.answer}}"})
+        whole = parse_grader({**string_check(reference='{"a": [1, 2]}'), "input": "{{sample.output_json}}"})
+        first = parse_grader({**string_check(reference="2"), "input": "{{sample.output_json.a.1}}"})
+        assert grade(answer, output_text='{"answer": "152", "work": "x"}', item={"answer": "152"}).score == 1.0
+        assert grade(whole, output_text='{ "a" : [1,2] }', item={}).score == 1.0  # re-serialised, compact keys
+        assert grade(first, output_text='{"a": [1, 2]}', item={}).score == 1.0
+        for text, problem in (("152", "has no field 'answer'"), ("not json", "has no field 'answer'")):
+            result = grade(answer, output_text=text, item={"answer": "152"})
+            assert result.score == 0.0
+            [error] = result.errors
+            assert error.kind == "invalid_variable" and problem in error
+        [error] = grade(whole, output_text="{cut", item={}).errors
+        assert "{{sample.output_json}} but the sample's output is not JSON" in error
 
     def test_output_tools_renders_an_episodes_tool_calls_as_json(self) -> None:
         calls = [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"e": "1+2"}'}}]

@@ -1,12 +1,11 @@
 """Python graders: their leaves graded over a batch in a sandbox, and OpenAI's `sample` object they get."""
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from trainer.grading.graders.render import output_json
 from trainer.spec.graders import FinishReason, GradeError, GradeErrorKind, Grader, python_graders
-from trainer.spec.json_values import refuse_constant
 
 if TYPE_CHECKING:
     from trainer.grading.sandbox import PythonSandbox, Result
@@ -81,7 +80,7 @@ def sample_object(
     message the final answer, which calls no tool); `output_audio` None."""
     return {
         "output_text": output_text,
-        "output_json": _parse_json(output_text),
+        "output_json": output_json(output_text),
         "output_tools": [dict(c) for c in output_tools],
         "choices": [
             {
@@ -92,10 +91,3 @@ def sample_object(
         ],
         "output_audio": None,
     }
-
-
-def _parse_json(text: str) -> Any:
-    try:
-        return json.loads(text, parse_constant=refuse_constant)
-    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; RecursionError: nested too deep
-        return None

@@ -29,7 +29,8 @@ class Ref:
 
 
 _PATH_SEGMENT_RE = re.compile(r"[^\s.{}]+")
-SAMPLE_FIELDS = ("output_text", "output_tools")
+SAMPLE_FIELDS = ("output_text", "output_json", "output_tools")
+"""What `{{sample.<field>}}` may name; `output_json` also takes a path into it (`{{sample.output_json.answer}}`)."""
 
 
 @functools.lru_cache(maxsize=256)  # keys are at most MAX_TEMPLATE_CHARS long: the cache holds a few MB at most
@@ -61,6 +62,8 @@ def _parse_ref(inner: str, raw: str) -> Ref:
     if not path or not all(_PATH_SEGMENT_RE.fullmatch(segment) for segment in path):
         raise ValueError(f"invalid reference {raw}; expected {{{{{namespace}.<field>}}}}")
     if namespace == "sample":
+        if path[0] == "output_json":
+            return Ref("sample", path)
         if len(path) != 1 or path[0] not in SAMPLE_FIELDS:
             valid = ", ".join("{{sample." + f + "}}" for f in SAMPLE_FIELDS)
             raise ValueError(f"unsupported sample field in {raw}; supported: {valid}")
@@ -74,8 +77,9 @@ def validate_template(value: str) -> str:
 
 
 Template = Annotated[str, StringConstraints(max_length=MAX_TEMPLATE_CHARS), AfterValidator(validate_template)]
-"""A string that may contain `{{sample.output_text}}`, `{{sample.output_tools}}` (an agent episode's tool calls as
-JSON) and `{{item.<path>}}`; at most MAX_TEMPLATE_CHARS long."""
+"""A string that may contain `{{sample.output_text}}`, `{{sample.output_json}}` (the output parsed as JSON, or a path
+into it: `{{sample.output_json.answer}}`; what structured outputs guarantee), `{{sample.output_tools}}` (an agent
+episode's tool calls as JSON) and `{{item.<path>}}`; at most MAX_TEMPLATE_CHARS long."""
 
 
 def lookup(item: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
