@@ -74,6 +74,9 @@ def _messages(obj: Mapping[str, Any], key: str = "messages") -> list[dict[str, s
             raise ValueError(f"{key}[{i}].role must be one of {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise ValueError(f"{key}[{i}].content must be a string")
+        for field_name in m:  # what the prompt would lose: the online methods render a message's role and content
+            if field_name not in ("role", "content"):
+                raise ValueError(f"{key}[{i}].{field_name} is not kept in an RL prompt (only role and content are)")
         out.append({"role": role, "content": content})
     return out
 

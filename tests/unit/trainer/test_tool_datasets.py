@@ -21,6 +21,7 @@ from trainer.spec.data import (
     load_preferences,
     load_supervised,
     parse_preference_line,
+    parse_prompt_line,
     parse_supervised_line,
 )
 
@@ -373,3 +374,16 @@ def test_a_template_that_refuses_the_conversation_is_an_error_naming_the_line(
         encode_supervised(tok, [parse_supervised_line(episode(), 5)], max_length=128)
     assert err.value.line == 5
     assert err.value.detail == "the model's chat template refuses this conversation: no calls here"
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [({"name": "ann"}, "name"), ({"tool_calls": []}, "tool_calls"), ({"weight": 0}, "weight")],
+)
+def test_an_rl_prompt_message_field_the_prompt_would_lose_is_an_error_naming_it(
+    message: dict[str, Any], field: str
+) -> None:
+    line = {"messages": [{"role": "user", "content": "What is 1 + 2?", **message}], "answer": "3"}
+    with pytest.raises(ValueError, match=rf"^messages\[0\]\.{field} is not kept in an RL prompt"):
+        parse_prompt_line(line)
+    assert parse_prompt_line({"messages": [{"role": "user", "content": "What is 1 + 2?"}]}).messages
