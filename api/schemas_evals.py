@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from api.orm import Eval, EvalOutputItem, EvalRun
 from api.schemas import _Request
 from api.schemas_inference import Seed, Temperature, TokenCount, TopP
+from api.status import EvalRunStatus
 
 MAX_NAME_CHARS = 256
 MAX_METADATA_PAIRS = 16
@@ -203,7 +204,7 @@ class EvalRunObject(BaseModel):
     object: Literal["eval.run"] = "eval.run"
     eval_id: str
     name: str
-    status: Literal["queued", "in_progress", "completed", "failed", "canceled"]
+    status: EvalRunStatus
     model: str | None
     data_source: dict[str, Any]
     created_at: int
@@ -225,7 +226,7 @@ class EvalRunObject(BaseModel):
             id=row.id,
             eval_id=row.eval_id,
             name=row.name,
-            status=row.status,  # type: ignore[arg-type]
+            status=EvalRunStatus(row.status),
             model=row.model,
             data_source=row.data_source,
             created_at=row.created_at,

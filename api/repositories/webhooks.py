@@ -71,19 +71,10 @@ def job_status_changed(session: Session, *, job_id: str, status: JobStatus, at: 
     """Record the event a job's arrival in ``status`` sends (none for most statuses); its id, or None when no
     endpoint wants it."""
     event_type = webhook_events.event_type_for(status)
-    if event_type is None:
+    if event_type is None:  # most statuses: no event, and no read
         return None
     tenant_id = session.scalar(select(Job.tenant_id).where(Job.id == job_id))
-    if tenant_id is None:
-        return None
-    return record_event(
-        session,
-        tenant_id=tenant_id,
-        event_type=event_type,
-        subject_type=webhook_events.JOB_SUBJECT,
-        subject_id=job_id,
-        at=at,
-    )
+    return _subject_event(session, tenant_id, event_type, webhook_events.JOB_SUBJECT, job_id, at)
 
 
 def eval_run_finished(session: Session, *, run_id: str, status: EvalRunStatus, at: float | None = None) -> str | None:
@@ -93,15 +84,17 @@ def eval_run_finished(session: Session, *, run_id: str, status: EvalRunStatus, a
     if event_type is None:
         return None
     tenant_id = session.scalar(select(EvalRun.tenant_id).where(EvalRun.id == run_id))
+    return _subject_event(session, tenant_id, event_type, webhook_events.EVAL_RUN_SUBJECT, run_id, at)
+
+
+def _subject_event(
+    session: Session, tenant_id: str | None, event_type: str, subject_type: str, subject_id: str, at: float | None
+) -> str | None:
+    """``record_event`` for a subject's change, when the subject still exists."""
     if tenant_id is None:
         return None
     return record_event(
-        session,
-        tenant_id=tenant_id,
-        event_type=event_type,
-        subject_type=webhook_events.EVAL_RUN_SUBJECT,
-        subject_id=run_id,
-        at=at,
+        session, tenant_id=tenant_id, event_type=event_type, subject_type=subject_type, subject_id=subject_id, at=at
     )
 
 
